@@ -1,0 +1,63 @@
+"""Cost models: predicted seconds of one primitive call by one implementation on one input.
+
+Every cost model is an object with ``name`` and ``predict(prim, impl, gi, dims) -> seconds``
+where ``dims`` holds the call's concrete sizes:
+
+    gemm         {"m", "k", "n"}     (m x k) . (k x n)
+    spmm*        {"n", "k"}          n destination rows, k columns; E comes from the graph
+    row_scale    {"n", "k"}
+    sddmm_scale  {}                  E from the graph
+    diag_mul     {"n"}
+
+``AnalyticalCost`` counts flops and bytes (a roofline with this machine's rough rates); it is the
+fallback when no learned models for this machine exist. The learned models (``learned.py``) have the
+same interface.
+"""
+from dataclasses import dataclass
+
+FLOAT = 4
+
+
+@dataclass
+class AnalyticalCost:
+    """``time = flops / flop_rate + bytes / byte_rate + call_overhead`` per primitive call.
+
+    Sparse kernels gather one row of ``X`` per edge, so they move ``E k`` floats at the (slower)
+    random-access rate; dense kernels stream at ``stream_rate`` and GEMM computes at ``flop_rate``.
+    """
+    name: str = "analytical"
+    flop_rate: float = 40e9
+    stream_rate: float = 8e9
+    gather_rate: float = 3e9
+    call_overhead: float = 10e-6
+
+    def predict(self, prim, impl, gi, dims):
+        E = gi.num_edges
+        if prim == "gemm":
+            m, k, n = dims["m"], dims["k"], dims["n"]
+            t = 2 * m * k * n / self.flop_rate + FLOAT * (m * k + k * n + m * n) / self.stream_rate
+        elif prim.startswith("spmm"):
+            n, k = dims["n"], dims["k"]
+            t = FLOAT * E * k / self.gather_rate + FLOAT * n * k / self.stream_rate + 8 * E / self.stream_rate
+        elif prim == "row_scale":
+            t = 2 * FLOAT * dims["n"] * dims["k"] / self.stream_rate
+        elif prim.startswith("sddmm"):
+            t = 3 * FLOAT * E / self.gather_rate + 8 * E / self.stream_rate
+        else:
+            t = FLOAT * max(dims.get("n", 1), 1) / self.stream_rate
+        return t + self.call_overhead
+
+
+def concrete_dims(sig, symbols):
+    """The ``dims`` dict of a step's signature, its size symbols replaced by their values."""
+    prim, _, sizes = sig
+    vals = [symbols[s] for s in sizes]
+    if prim == "gemm":
+        return {"m": vals[0], "k": vals[1], "n": vals[2]}
+    if prim.startswith("spmm"):
+        return {"n": symbols.get("N_dst", symbols.get("N")), "k": vals[1]}
+    if prim == "row_scale":
+        return {"n": vals[0], "k": vals[1]}
+    if prim == "diag_mul":
+        return {"n": vals[0]}
+    return {}

@@ -1,0 +1,130 @@
+"""Association trees: every legal way to parenthesise each product of the IR (paper, Algorithm 1).
+
+A product ``M_1 M_2 ... M_n`` is re-associated by repeatedly merging adjacent operands into an
+intermediate result. Which merges are legal, and which primitive computes them, is decided by rules
+on the operands' attributes (``merge_rule``):
+
+    diagonal . diagonal            -> diag_mul     (product of two degree vectors)
+    diagonal . sparse [. diagonal] -> sddmm_scale  (edge values d_v w_e d_u: an SDDMM with rank 1)
+    sparse . diagonal              -> sddmm_scale
+    diagonal . dense               -> row_scale    (row-broadcast)
+    sparse (unweighted) . dense    -> spmm
+    sparse (weighted) . dense      -> spmm_weighted
+    dense . dense                  -> gemm
+    anything else (sparse . sparse, dense . sparse) has no primitive: the merge is not a candidate.
+
+Algorithm 1 explores merges depth-first and collects each finished tree; the same tree is reached
+through many merge orders. ``association_trees`` enumerates the same forest directly (each tree once)
+by splitting every interval of the product in every place. A tree is canonical: nested SDDMMs are
+flattened, so ``(D A) D``, ``D (A D)`` and the three-operand ``D A D`` are one tree with one SDDMM.
+"""
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+from . import ir
+
+
+@dataclass(frozen=True)
+class Node:
+    """An intermediate result: ``prim`` applied to ``parts`` (leaves or other nodes)."""
+    prim: str
+    parts: tuple
+    rows: str
+    cols: str
+    kind: str
+    sub: str
+
+    @property
+    def graph_only(self):
+        return all(p.graph_only for p in self.parts)
+
+    def __str__(self):
+        sep = " . "
+        return f"{self.prim}[{sep.join(str(p) for p in self.parts)}]"
+
+
+def merge_rule(a, b):
+    """``(primitive, kind, sub)`` of the product ``a . b``, or ``None`` if no primitive computes it."""
+    da, db = a.sub == ir.DIAGONAL, b.sub == ir.DIAGONAL
+    if da and db:
+        return "diag_mul", ir.SPARSE, ir.DIAGONAL
+    if a.kind == ir.SPARSE and b.kind == ir.SPARSE and (da or db):
+        return "sddmm_scale", ir.SPARSE, ir.WEIGHTED
+    if da and b.kind == ir.DENSE:
+        return "row_scale", ir.DENSE, b.sub
+    if a.kind == ir.SPARSE and b.kind == ir.DENSE:
+        prim = "spmm" if a.sub == ir.UNWEIGHTED else "spmm_weighted"
+        return prim, ir.DENSE, ir.DATA
+    if a.kind == ir.DENSE and b.kind == ir.DENSE:
+        sub = ir.WEIGHT if a.sub == ir.WEIGHT and b.sub == ir.WEIGHT else ir.DATA
+        return "gemm", ir.DENSE, sub
+    return None
+
+
+def merge(a, b):
+    """The node for ``a . b`` (flattening nested SDDMMs), or ``None`` if illegal."""
+    rule = merge_rule(a, b)
+    if rule is None:
+        return None
+    prim, kind, sub = rule
+    parts = []
+    for x in (a, b):
+        if prim == "sddmm_scale" and isinstance(x, Node) and x.prim == "sddmm_scale":
+            parts.extend(x.parts)
+        else:
+            parts.append(x)
+    return Node(prim, tuple(parts), a.rows, b.cols, kind, sub)
+
+
+def association_trees(factors):
+    """All association trees of the product of ``factors`` (a tuple of IR nodes), each once."""
+    factors = tuple(factors)
+
+    @lru_cache(maxsize=None)
+    def trees(i, j):
+        if i == j:
+            return (factors[i],)
+        found = {}
+        for k in range(i, j):
+            for left, right in itertools.product(trees(i, k), trees(k + 1, j)):
+                node = merge(left, right)
+                if node is not None:
+                    found.setdefault(node, None)
+        return tuple(found)
+
+    return list(trees(0, len(factors) - 1))
+
+
+def steps(tree):
+    """The primitive calls of ``tree`` in execution order, each distinct sub-result once (CSE)."""
+    out = {}
+
+    def visit(n):
+        if isinstance(n, Node):
+            for p in n.parts:
+                visit(p)
+            out.setdefault(n, None)
+    visit(tree)
+    return list(out)
+
+
+def products(root):
+    """The product nodes of an IR tree that the enumerator re-associates (outermost first)."""
+    found = []
+
+    def visit(n):
+        if isinstance(n, ir.MatMul):
+            found.append(n)
+            return
+        for c in ir.children(n):
+            visit(c)
+    visit(root)
+    return found
+
+
+def layer_forest(root):
+    """Every way to associate every product in the layer: a list of ``{MatMul: tree}`` dicts."""
+    prods = products(root)
+    per_product = [association_trees(p.args) for p in prods]
+    return [dict(zip(prods, choice)) for choice in itertools.product(*per_product)]

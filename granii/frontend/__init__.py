@@ -1,0 +1,60 @@
+"""Frontend: the source of a layer's ``forward`` -> the matrix IR of one call signature.
+
+``lower_layer(module, present, is_block)`` parses the installed source of ``type(module).forward``,
+binds ``graph`` and the features symbolically, the module's configuration concretely, and each
+optional argument as present or ``None`` (``present`` names those given), and returns a
+``LayerIR``. The IR has its row-broadcasts already rewritten into diagonal products.
+"""
+import inspect
+from dataclasses import dataclass
+
+from .. import ir
+from .interp import Interpreter, forward_ast
+from .values import FrontendError, Graph, RaisesForConfig, Tensor
+
+__all__ = ["FrontendError", "RaisesForConfig", "LayerIR", "lower_layer"]
+
+
+@dataclass
+class LayerIR:
+    """The lowered forward of one layer for one call signature."""
+    layer_type: str
+    root: object                 # IR after the row-broadcast rewrite
+    raw: object                  # IR as the frontend built it (with row-broadcasts)
+    guards: list                 # (source text, names read): checks run at call time
+    arg_names: tuple             # forward's parameters after self
+    present: frozenset           # optional arguments given in this call signature
+    source: str                  # the forward() source that was parsed
+
+
+def lower_layer(module, present=frozenset(), is_block=False):
+    func_def, globals_, src = forward_ast(type(module))
+    params = [a.arg for a in func_def.args.args][1:]
+    if len(params) < 2:
+        raise FrontendError("forward signature", "expected forward(self, graph, feat, ...)")
+    if func_def.args.vararg or func_def.args.kwarg:
+        raise FrontendError("forward(*args, **kwargs)", "variable arguments are not lowered")
+    graph_name, feat_name = params[0], params[1]
+    self_name = func_def.args.args[0].arg
+    bound = {self_name: module, graph_name: Graph(is_block=is_block)}
+    bound[feat_name] = Tensor(ir.Leaf("H", "N_src", "k_in", ir.DENSE, ir.DATA, ("arg", feat_name)))
+    for name in params[2:]:
+        if name in present:
+            bound[name] = Tensor(ir.Leaf(name, None, None, ir.DENSE, ir.WEIGHT, ("arg", name)))
+        else:
+            bound[name] = None
+    interp = Interpreter(module, func_def, globals_, src)
+    out = interp.run(bound)
+    if not isinstance(out, Tensor):
+        raise FrontendError("return value", f"forward returns {type(out).__name__}, not a tensor")
+    _check_complete(out.node)
+    raw = out.node if is_block else ir.rename_sizes(out.node, {"N_src": "N", "N_dst": "N"})
+    return LayerIR(type(module).__name__, ir.rewrite_row_broadcasts(raw), raw,
+                   interp.guards, tuple(params), frozenset(present), src)
+
+
+def _check_complete(node):
+    for leaf in ir.leaves(node):
+        if leaf.rows is None:
+            raise FrontendError(f"tensor '{leaf.name}'", "used in a way the frontend cannot "
+                                "give a shape (only products and sums are lowered)")

@@ -1,0 +1,291 @@
+"""Partial evaluation of a layer's ``forward`` source into the matrix IR.
+
+The interpreter walks the AST of the *installed* ``forward`` method. Expressions that depend only on
+the module's configuration (``self._norm``, ``self.bias is not None``, ``edge_weight is not None``)
+are evaluated to ordinary Python values, so branches on them are resolved; expressions on the graph
+and on tensors become symbolic values (``values.py``) and, through the rules of ``rules.py``, IR
+nodes. A graph-dependent ``if`` whose body only raises (DGL's zero in-degree check) and an
+``assert`` become *guards*: their source is kept and run at call time, so the user sees DGL's own
+error. Anything else the interpreter does not know stops it with a ``FrontendError`` naming the
+construct; the caller then runs the original module.
+"""
+import ast
+import builtins
+import inspect
+import operator
+import textwrap
+
+import torch
+
+from .. import ir
+from . import rules
+from .values import (Degrees, Edges, Frame, FrontendError, Graph, GraphCondition, LocalScope,
+                     Method, RaisesForConfig, Shape, Tensor)
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.Pow: operator.pow, ast.MatMult: operator.matmul,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+           ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
+           ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
+_SYMBOLIC = (Tensor, Edges, Degrees, Graph, Frame, Shape, GraphCondition, Method)
+
+
+class _Return(Exception):
+    def __init__(self, value):
+        self.value = value
+
+
+def forward_ast(cls):
+    """The parsed ``forward`` of ``cls`` (the source installed on this machine) and its globals."""
+    fwd = cls.forward
+    src = textwrap.dedent(inspect.getsource(fwd))
+    tree = ast.parse(src)
+    return tree.body[0], fwd.__globals__, src
+
+
+class Interpreter:
+    """Evaluates one ``forward`` for one module and one set of present/absent arguments."""
+
+    def __init__(self, module, func_def, globals_, src):
+        self.module = module
+        self.globals = globals_
+        self.src = src
+        self.func = func_def
+        self.env = {}
+        self.guards = []          # (source text, names it reads)
+        self.leaves = {}
+
+    # -- entry -------------------------------------------------------------------------------
+    def run(self, bound):
+        """``bound``: argument name -> symbolic value, or ``None`` for an absent argument."""
+        self.env.update(bound)
+        try:
+            self.exec_block(self.func.body)
+        except _Return as r:
+            return r.value
+        raise FrontendError("forward without return", "the function does not return a value")
+
+    def fail(self, node, construct, reason):
+        raise FrontendError(construct, reason, getattr(node, "lineno", None))
+
+    # -- statements --------------------------------------------------------------------------
+    def exec_block(self, stmts):
+        for s in stmts:
+            self.exec_stmt(s)
+
+    def exec_stmt(self, s):
+        kind = type(s).__name__
+        handler = getattr(self, "stmt_" + kind, None)
+        if handler is None:
+            self.fail(s, f"statement '{kind}'", "not understood by the frontend")
+        handler(s)
+
+    def stmt_Expr(self, s):
+        if isinstance(s.value, ast.Constant):
+            return
+        self.eval(s.value)
+
+    def stmt_Pass(self, s):
+        pass
+
+    def stmt_Return(self, s):
+        raise _Return(self.eval(s.value) if s.value is not None else None)
+
+    def stmt_Assign(self, s):
+        value = self.eval(s.value)
+        for t in s.targets:
+            self.assign(t, value)
+
+    def stmt_AugAssign(self, s):
+        value = self.binop(s.op, self.eval(s.target), self.eval(s.value), s)
+        self.assign(s.target, value)
+
+    def assign(self, target, value):
+        if isinstance(target, ast.Name):
+            self.env[target.id] = value
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            items = list(value) if not isinstance(value, _SYMBOLIC) else None
+            if items is None or len(items) != len(target.elts):
+                self.fail(target, "tuple unpacking", "of a value that is not a known tuple")
+            for t, v in zip(target.elts, items):
+                self.assign(t, v)
+        elif isinstance(target, ast.Subscript):
+            obj = self.eval(target.value)
+            key = self.eval(target.slice)
+            if isinstance(obj, Frame):
+                rules.frame_set(obj, key, value, self)
+            else:
+                self.fail(target, "item assignment", "only graph frames (srcdata, dstdata, edata)")
+        else:
+            self.fail(target, f"assignment to {type(target).__name__}", "not supported")
+
+    def stmt_If(self, s):
+        cond = self.eval(s.test)
+        if isinstance(cond, GraphCondition):
+            if all(isinstance(b, ast.Raise) for b in s.body) and not s.orelse:
+                self.add_guard(s)
+                return
+            self.fail(s, "branch on the graph or on tensor values", "only a check that raises "
+                      "is supported; the plan would depend on the input data")
+        self.exec_block(s.body if self.truth(cond, s) else s.orelse)
+
+    def stmt_Assert(self, s):
+        cond = self.eval(s.test)
+        if isinstance(cond, GraphCondition) or isinstance(cond, _SYMBOLIC):
+            self.add_guard(s)
+        elif not cond:
+            raise RaisesForConfig("assertion fails for this configuration")
+
+    def stmt_Raise(self, s):
+        raise RaisesForConfig(ast.get_source_segment(self.src, s) or "raise")
+
+    def stmt_With(self, s):
+        for item in s.items:
+            ctx = self.eval(item.context_expr)
+            if not isinstance(ctx, LocalScope):
+                self.fail(s, "with-statement", "only graph.local_scope() is understood")
+            if item.optional_vars is not None:
+                self.assign(item.optional_vars, ctx)
+        self.exec_block(s.body)
+
+    def stmt_For(self, s):
+        it = self.eval(s.iter)
+        if isinstance(it, _SYMBOLIC):
+            self.fail(s, "for-loop over a tensor or graph", "only loops over known ranges unroll")
+        for v in it:
+            self.assign(s.target, v)
+            self.exec_block(s.body)
+        if s.orelse:
+            self.exec_block(s.orelse)
+
+    def add_guard(self, s):
+        names = sorted({n.id for n in ast.walk(s) if isinstance(n, ast.Name)})
+        self.guards.append((ast.unparse(s), names))
+
+    def truth(self, cond, node):
+        if isinstance(cond, _SYMBOLIC):
+            self.fail(node, "condition on a symbolic value", "cannot decide it before run time")
+        return bool(cond)
+
+    # -- expressions -------------------------------------------------------------------------
+    def eval(self, e):
+        handler = getattr(self, "expr_" + type(e).__name__, None)
+        if handler is None:
+            self.fail(e, f"expression '{type(e).__name__}'", "not understood by the frontend")
+        return handler(e)
+
+    def expr_Constant(self, e):
+        return e.value
+
+    def expr_Name(self, e):
+        if e.id in self.env:
+            return self.env[e.id]
+        if e.id in self.globals:
+            return self.globals[e.id]
+        if hasattr(builtins, e.id):
+            return getattr(builtins, e.id)
+        self.fail(e, f"name '{e.id}'", "undefined")
+
+    def expr_Tuple(self, e):
+        return tuple(self.eval(x) for x in e.elts)
+
+    def expr_List(self, e):
+        return [self.eval(x) for x in e.elts]
+
+    def expr_JoinedStr(self, e):
+        return "<string>"
+
+    def expr_IfExp(self, e):
+        c = self.eval(e.test)
+        return self.eval(e.body if self.truth(c, e) else e.orelse)
+
+    def expr_Attribute(self, e):
+        obj = self.eval(e.value)
+        if obj is self.module:
+            return rules.module_attr(self, e.attr)
+        if isinstance(obj, _SYMBOLIC):
+            return rules.symbolic_attr(self, obj, e.attr, e)
+        try:
+            return getattr(obj, e.attr)
+        except AttributeError:
+            self.fail(e, f"attribute '{e.attr}'", f"not found on {type(obj).__name__}")
+
+    def expr_Subscript(self, e):
+        obj = self.eval(e.value)
+        key = self.eval(e.slice)
+        if isinstance(obj, Frame):
+            return rules.frame_get(obj, key, self, e)
+        if isinstance(obj, _SYMBOLIC) or isinstance(key, _SYMBOLIC):
+            return rules.symbolic_index(self, obj, key, e)
+        return obj[key]
+
+    def expr_Slice(self, e):
+        parts = [self.eval(p) if p is not None else None for p in (e.lower, e.upper, e.step)]
+        return slice(*parts)
+
+    def expr_BoolOp(self, e):
+        vals = [self.eval(v) for v in e.values]
+        if any(isinstance(v, _SYMBOLIC) for v in vals):
+            return GraphCondition(ast.get_source_segment(self.src, e) or "condition")
+        if isinstance(e.op, ast.And):
+            return all(vals)
+        return any(vals)
+
+    def expr_UnaryOp(self, e):
+        v = self.eval(e.operand)
+        if isinstance(v, _SYMBOLIC):
+            if isinstance(e.op, ast.USub) and isinstance(v, Tensor):
+                return rules.scale(self, v, -1.0, e)
+            return GraphCondition(ast.get_source_segment(self.src, e) or "condition")
+        op = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos,
+              ast.Invert: operator.invert}[type(e.op)]
+        return op(v)
+
+    def expr_Compare(self, e):
+        left = self.eval(e.left)
+        result = True
+        for op, right_e in zip(e.ops, e.comparators):
+            right = self.eval(right_e)
+            if isinstance(left, _SYMBOLIC) or isinstance(right, _SYMBOLIC):
+                if isinstance(op, (ast.Is, ast.IsNot)):
+                    # a symbolic value is never None
+                    ok = (left is right) if isinstance(op, ast.Is) else (left is not right)
+                    result = result and ok
+                else:
+                    return GraphCondition(ast.get_source_segment(self.src, e) or "comparison")
+            else:
+                result = result and _CMPOPS[type(op)](left, right)
+            left = right
+        return result
+
+    def expr_BinOp(self, e):
+        return self.binop(e.op, self.eval(e.left), self.eval(e.right), e)
+
+    def binop(self, op, a, b, node):
+        if not isinstance(a, _SYMBOLIC) and not isinstance(b, _SYMBOLIC):
+            return _BINOPS[type(op)](a, b)
+        return rules.binop(self, type(op).__name__, a, b, node)
+
+    def expr_Call(self, e):
+        func = self.eval(e.func)
+        args = []
+        for a in e.args:
+            if isinstance(a, ast.Starred):
+                args.extend(self.eval(a.value))
+            else:
+                args.append(self.eval(a))
+        kwargs = {k.arg: self.eval(k.value) for k in e.keywords if k.arg is not None}
+        if isinstance(func, Method):
+            return rules.call_method(self, func, args, kwargs, e)
+        return rules.call_function(self, func, args, kwargs, e)
+
+    # -- leaves ------------------------------------------------------------------------------
+    def leaf(self, name, rows, cols, kind, sub, source, transposed=False):
+        leaf = ir.Leaf(name, rows, cols, kind, sub, source, transposed)
+        self.leaves[name] = leaf
+        return leaf
+
+
+def is_tensor_like(x):
+    return isinstance(x, (Tensor, torch.Tensor))

@@ -1,0 +1,307 @@
+"""Lowering rules: DGL and torch calls to matrix-IR operations.
+
+    update_all(copy_u(h), sum)          ->  A . H                (sparse/unweighted times dense)
+    update_all(u_mul_e(h, w), sum)      ->  A_w . H              (sparse/weighted, values = w)
+    update_all(copy_u(h), mean)         ->  D_in^-1 . A . H      (degrees clamped at 1: rows with no
+                                                                  in-edge stay 0, as in DGL)
+    graph.in_degrees() / out_degrees()  ->  degree vectors; powers and clamps fold into them
+    x * deg (deg a column vector)       ->  row-broadcast, rewritten later to diag(deg) . x
+    th.matmul(x, w), x @ w              ->  x . w                (the product is associative)
+    linear(x) (nn.Linear)               ->  x . W^T + b
+    x + y                               ->  Add(x, y)
+    f(x) for any other callable f       ->  Apply(f, x): a barrier (activations, dropout, ...)
+"""
+import dataclasses
+
+import torch
+from torch import nn
+
+from .. import ir
+from .values import (Degrees, Edges, Frame, FrontendError, Graph, GraphCondition, LocalScope,
+                     Method, RaisesForConfig, Shape, Tensor)
+
+_U, _V, _E = 0, 1, 2
+_GRAPH_SCALARS = {"num_edges", "num_nodes", "number_of_edges", "number_of_nodes",
+                  "num_src_nodes", "num_dst_nodes"}
+_SAME_VALUE_METHODS = {"to", "float", "contiguous", "type_as", "detach"}
+_PURE_MODULES = ("dgl.function",)
+
+
+def fail(node, construct, reason):
+    raise FrontendError(construct, reason, getattr(node, "lineno", None))
+
+
+# -- attributes ----------------------------------------------------------------------------------
+def module_attr(it, attr):
+    value = getattr(it.module, attr)
+    if isinstance(value, nn.Parameter):
+        return Tensor(param_leaf(it, attr, value), value.dim())
+    return value
+
+
+def param_leaf(it, attr, value, transposed=False):
+    """A weight leaf; its shape symbols are fixed when a product or sum first uses it."""
+    return it.leaf(attr + ("^T" if transposed else ""), None, None, ir.DENSE, ir.WEIGHT,
+                   ("param", attr), transposed)
+
+
+def symbolic_attr(it, obj, attr, node):
+    if isinstance(obj, Graph):
+        if attr in ("srcdata", "dstdata", "edata", "ndata"):
+            which = {"srcdata": "src", "dstdata": "dst", "edata": "edge", "ndata": "node"}[attr]
+            return Frame(obj, which)
+        if attr == "is_block":
+            return obj.is_block
+        return Method(obj, attr)
+    if attr == "shape":
+        return Shape(obj.ndim if isinstance(obj, Tensor) else 1)
+    if isinstance(obj, (Tensor, Degrees, Edges, GraphCondition, Shape)):
+        return Method(obj, attr)
+    fail(node, f"attribute '{attr}' of {type(obj).__name__}", "not understood")
+
+
+def symbolic_index(it, obj, key, node):
+    if isinstance(obj, Shape):
+        return GraphCondition("size")
+    if isinstance(obj, Tensor) and isinstance(key, slice) and key.start is None:
+        return obj
+    fail(node, "indexing of a tensor", "row slices and gathers are not lowered")
+
+
+# -- graph frames ----------------------------------------------------------------------------------
+def frame_set(frame, key, value, it):
+    frames = frame.graph.frames
+    if frame.which == "edge" and isinstance(value, Tensor) and _is_arg(value.node):
+        value = Edges(arg=value.node.source[1])
+    if frame.which == "node":
+        if frame.graph.is_block:
+            fail(None, "graph.ndata on a block", "use srcdata/dstdata")
+        frames["src"][key] = frames["dst"][key] = value
+    else:
+        frames[frame.which][key] = value
+
+
+def _is_arg(node):
+    return isinstance(node, ir.Leaf) and node.source[0] == "arg" and node.rows is None
+
+
+def frame_get(frame, key, it, node):
+    which = "src" if frame.which == "node" else frame.which
+    try:
+        return frame.graph.frames[which][key]
+    except KeyError:
+        fail(node, f"graph.{frame.which}data['{key}']", "read before the code wrote it "
+             "(data attached to the graph outside forward() is not lowered)")
+
+
+def update_all(it, graph, msg, red, node):
+    """``graph.update_all(msg, reduce)`` with DGL's built-in message and reduce functions."""
+    if not hasattr(msg, "out_field") or not hasattr(red, "msg_field"):
+        fail(node, "update_all with a Python function", "user-defined (UDF) message or reduce "
+             "functions are opaque to the frontend; only dgl.function built-ins are lowered")
+    src = graph.frames["src"]
+    if msg.name == "copy_u":
+        x = _frame_tensor(src, msg.in_field, node)
+        adj = it.leaf("A", "N_dst", "N_src", ir.SPARSE, ir.UNWEIGHTED, ("graph",))
+    elif msg.name in ("u_mul_e", "e_mul_u"):
+        ufield, efield = ((msg.lhs_field, msg.rhs_field) if msg.lhs == _U
+                          else (msg.rhs_field, msg.lhs_field))
+        x = _frame_tensor(src, ufield, node)
+        w = graph.frames["edge"].get(efield)
+        if not isinstance(w, Edges) or w.arg is None:
+            fail(node, f"u_mul_e with edge field '{efield}'", "edge values must be an argument")
+        adj = it.leaf("A_w", "N_dst", "N_src", ir.SPARSE, ir.WEIGHTED, ("edge", w.arg))
+    else:
+        fail(node, f"message function fn.{msg.name}", "not lowered yet")
+    if msg.out_field != red.msg_field:
+        fail(node, "update_all", "reduce reads a message field the message function did not write")
+    if x.ndim != 2:
+        fail(node, "update_all on features with more than 2 dimensions", "not lowered yet")
+    if red.name == "sum":
+        out = ir.matmul(adj, x.node)
+    elif red.name == "mean":
+        out = ir.matmul(Degrees("in", -1.0, 1.0).leaf(), adj, x.node)
+    else:
+        fail(node, f"reduce function fn.{red.name}", "not lowered yet")
+    graph.frames["dst"][red.out_field] = Tensor(out, 2)
+
+
+def _frame_tensor(frame, key, node):
+    x = frame.get(key)
+    if not isinstance(x, Tensor):
+        fail(node, f"srcdata['{key}']", "the message function reads a field that holds no tensor")
+    return x
+
+
+# -- arithmetic ------------------------------------------------------------------------------------
+def matmul(it, a, b, node):
+    if not isinstance(a, Tensor) or not isinstance(b, Tensor):
+        fail(node, "matmul", "of a value that is not a tensor expression")
+    if a.ndim != 2 or b.ndim != 2:
+        fail(node, "matmul of tensors with more than 2 dimensions", "not lowered yet")
+    w = b.node
+    if isinstance(w, ir.Leaf) and w.rows is None:
+        w = fix_shape(it, w, a.node.cols)
+    return Tensor(ir.matmul(a.node, w), 2)
+
+
+def fix_shape(it, leaf, rows):
+    used = {s for l in it.leaves.values() for s in (l.rows, l.cols)}
+    cols = "k_out" if "k_out" not in used else next(f"k_{i}" for i in range(2, 99)
+                                                     if f"k_{i}" not in used)
+    fixed = dataclasses.replace(leaf, rows=rows, cols=cols)
+    it.leaves[leaf.name] = fixed
+    return fixed
+
+
+def row_broadcast(x, deg, node):
+    rows = "N_dst" if deg.side == "in" else "N_src"
+    if x.node.rows != rows:
+        fail(node, f"scaling by {deg.side}-degrees", f"of a tensor whose rows are {x.node.rows}")
+    return Tensor(ir.RowBroadcast(deg.leaf(), x.node), x.ndim)
+
+
+def scale(it, x, c, node):
+    return Tensor(ir.Apply(f"mul({c:g})", x.node, lambda t, c=c: t * c), x.ndim)
+
+
+def binop(it, op, a, b, node):
+    if op == "MatMult":
+        return matmul(it, a, b, node)
+    if isinstance(a, Degrees) or isinstance(b, Degrees):
+        return degree_arith(op, a, b, node)
+    if isinstance(a, Shape) and isinstance(b, tuple) and op == "Add":
+        return Shape(a.ndim + len(b))
+    if isinstance(a, GraphCondition) or isinstance(b, GraphCondition):
+        return GraphCondition("expression")
+    if op == "Add" and isinstance(a, Tensor) and isinstance(b, Tensor):
+        an, bn = a.node, b.node
+        if isinstance(bn, ir.Leaf) and bn.rows is None:
+            bn = dataclasses.replace(bn, rows="1", cols=an.cols)
+            it.leaves[bn.name] = bn
+        return Tensor(ir.Add(an, bn), max(a.ndim, b.ndim))
+    if op == "Mult" and isinstance(a, Tensor) and isinstance(b, (int, float)):
+        return scale(it, a, float(b), node)
+    if op == "Mult" and isinstance(b, Tensor) and isinstance(a, (int, float)):
+        return scale(it, b, float(a), node)
+    fail(node, f"operator {op} on {type(a).__name__} and {type(b).__name__}", "not lowered")
+
+
+def degree_arith(op, a, b, node):
+    if op == "Mult" and isinstance(a, Tensor):
+        return row_broadcast(a, b, node)
+    if op == "Mult" and isinstance(b, Tensor):
+        return row_broadcast(b, a, node)
+    if op == "Div" and isinstance(a, Tensor):
+        return row_broadcast(a, dataclasses.replace(b, power=-b.power), node)
+    if op == "Div" and isinstance(a, (int, float)) and a == 1:
+        return dataclasses.replace(b, power=-b.power)
+    if op == "Pow" and isinstance(a, Degrees) and isinstance(b, (int, float)):
+        return dataclasses.replace(a, power=a.power * b)
+    fail(node, f"operator {op} on degrees", "not lowered")
+
+
+# -- calls -----------------------------------------------------------------------------------------
+def call_method(it, m, args, kwargs, node):
+    obj, name = m.obj, m.name
+    if isinstance(obj, Graph):
+        if name == "local_scope":
+            return LocalScope()
+        if name in ("in_degrees", "out_degrees"):
+            if args or kwargs:
+                fail(node, f"graph.{name} of some nodes", "only all degrees are lowered")
+            return Degrees("in" if name == "in_degrees" else "out")
+        if name in _GRAPH_SCALARS:
+            return GraphCondition(name)
+        if name == "update_all":
+            return update_all(it, obj, *args[:2], node)
+        fail(node, f"graph.{name}", "not lowered")
+    if isinstance(obj, GraphCondition):
+        return GraphCondition(name)
+    if isinstance(obj, Degrees):
+        return degree_method(obj, name, args, kwargs, node)
+    if isinstance(obj, Tensor):
+        if name in _SAME_VALUE_METHODS:
+            return obj
+        if name == "dim":
+            return obj.ndim
+        if name == "size":
+            return GraphCondition("size")
+    if isinstance(obj, Edges) and name in _SAME_VALUE_METHODS:
+        return obj
+    fail(node, f".{name}() on {type(obj).__name__}", "not lowered")
+
+
+def degree_method(d, name, args, kwargs, node):
+    if name in _SAME_VALUE_METHODS or name in ("unsqueeze", "view", "reshape"):
+        return d
+    if name == "clamp":
+        lo = kwargs.get("min", args[0] if args else None)
+        if d.power != 1 or kwargs.get("max") is not None or lo is None:
+            fail(node, "degrees.clamp", "only clamp(min=c) before any power is lowered")
+        return dataclasses.replace(d, clamp=float(lo))
+    if name == "pow":
+        return dataclasses.replace(d, power=d.power * float(args[0]))
+    if name == "__eq__":
+        return GraphCondition("degree comparison")
+    fail(node, f"degrees.{name}()", "not lowered")
+
+
+def call_function(it, func, args, kwargs, node):
+    symbolic = [a for a in list(args) + list(kwargs.values())
+                if isinstance(a, (Tensor, Degrees, Edges, Graph, Shape, GraphCondition))]
+    if not symbolic:
+        return func(*args, **kwargs)
+    name = getattr(func, "__name__", type(func).__name__)
+    modname = getattr(func, "__module__", "") or ""
+    if func in (torch.matmul, torch.mm):
+        return matmul(it, args[0], args[1], node)
+    if func is torch.pow and isinstance(args[0], Degrees):
+        return degree_arith("Pow", args[0], args[1], node)
+    if func is torch.reshape and isinstance(args[0], Degrees):
+        return args[0]
+    if name == "expand_as_pair" and modname.startswith("dgl"):
+        return expand_as_pair(it, args[0], args[1], node)
+    if isinstance(func, nn.Linear) and isinstance(args[0], Tensor):
+        return linear(it, func, args[0], node)
+    if isinstance(func, nn.Identity):
+        return args[0]
+    if callable(func) and len(args) == 1 and isinstance(args[0], Tensor) and not kwargs:
+        label = type(func).__name__ if isinstance(func, nn.Module) else name
+        return Tensor(ir.Apply(label, args[0].node, func), args[0].ndim)
+    if isinstance(args[0], GraphCondition):
+        return GraphCondition(name)
+    fail(node, f"call of {modname}.{name}", "with symbolic arguments; not lowered")
+
+
+def expand_as_pair(it, feat, graph, node):
+    if isinstance(feat, tuple):
+        fail(node, "a pair of feature tensors", "bipartite (src, dst) input is not lowered yet")
+    if not isinstance(graph, Graph):
+        fail(node, "expand_as_pair", "second argument is not the graph")
+    if not graph.is_block:
+        return feat, feat
+    dst = it.leaf(feat.node.name + "_dst", "N_dst", feat.node.cols, ir.DENSE, ir.DATA,
+                  ("arg_dst", feat.node.source[1]))
+    return feat, Tensor(dst, feat.ndim)
+
+
+def linear(it, mod, x, node):
+    attr = _attr_name(it.module, mod)
+    w = param_leaf(it, attr + ".weight", mod.weight, transposed=True)
+    out = matmul(it, x, Tensor(w, 2), node)
+    if mod.bias is not None:
+        b = it.leaf(attr + ".bias", "1", out.node.cols, ir.DENSE, ir.WEIGHT,
+                    ("param", attr + ".bias"))
+        out = Tensor(ir.Add(out.node, b), 2)
+    return out
+
+
+def _attr_name(module, sub):
+    for name, m in module.named_modules():
+        if m is sub:
+            return name
+    raise FrontendError("nn.Linear", "that is not a submodule of the layer")
+
+
+__all__ = ["RaisesForConfig"]

@@ -1,0 +1,89 @@
+"""Symbolic values the frontend's interpreter computes with.
+
+Anything that depends on the module's configuration is an ordinary Python value; anything that
+depends on the graph or on tensors is one of these. ``Tensor`` wraps an IR expression.
+"""
+from dataclasses import dataclass, field
+
+from .. import ir
+
+
+class FrontendError(Exception):
+    """The frontend met a construct it does not lower; ``construct`` names it for ``explain``."""
+
+    def __init__(self, construct, reason, lineno=None):
+        where = f" (line {lineno} of forward)" if lineno else ""
+        super().__init__(f"{construct}{where}: {reason}")
+        self.construct = construct
+        self.reason = reason
+        self.lineno = lineno
+
+
+class RaisesForConfig(Exception):
+    """The original code raises for this configuration: the original forward must run (and raise)."""
+
+
+@dataclass
+class Tensor:
+    """A dense tensor whose value is the IR expression ``node`` (``ndim`` as torch would see it)."""
+    node: object
+    ndim: int = 2
+
+
+@dataclass
+class Edges:
+    """Per-edge values: the forward() argument ``arg``, or scores ``node`` computed from features."""
+    arg: str = None
+    node: object = None
+
+
+@dataclass
+class Degrees:
+    """The degree vector ``deg^power``, degrees clamped below at ``clamp`` first; ``side`` is
+    ``"in"`` (destinations) or ``"out"`` (sources)."""
+    side: str
+    power: float = 1.0
+    clamp: float = None
+
+    def leaf(self):
+        p = self.power
+        ptxt = "" if p == 1 else f"^{p:g}"
+        rows = "N_dst" if self.side == "in" else "N_src"
+        return ir.Leaf(f"D_{self.side}{ptxt}", rows, rows, ir.SPARSE, ir.DIAGONAL,
+                       ("degree", self.side, float(p), self.clamp))
+
+
+@dataclass
+class Shape:
+    """``x.shape`` of a symbolic tensor with ``ndim`` dimensions (only its length is known)."""
+    ndim: int
+
+
+@dataclass
+class GraphCondition:
+    """A condition that depends on the graph or tensors: only allowed to guard a ``raise``."""
+    text: str
+
+
+@dataclass
+class Graph:
+    """The ``graph`` argument, with the node/edge frames written by the code so far."""
+    is_block: bool = False
+    frames: dict = field(default_factory=lambda: {"src": {}, "dst": {}, "edge": {}})
+
+
+@dataclass
+class Frame:
+    graph: Graph
+    which: str
+
+
+@dataclass
+class Method:
+    """``obj.name`` of a symbolic object, waiting to be called."""
+    obj: object
+    name: str
+
+
+class LocalScope:
+    """``graph.local_scope()``: a context manager with no effect on the IR."""

@@ -1,0 +1,204 @@
+"""The matrix IR: a small tree of matrices and the operations between them.
+
+Leaves are matrices with symbolic shapes and the attributes of the GRANII paper's Table I:
+
+    dense  / data        node features ``H`` (N_src x k_in)
+    dense  / weight      learnable weights ``W`` (k_in x k_out), biases (1 x k_out)
+    sparse / unweighted  the adjacency ``A`` (N_dst x N_src), only the positions of its nonzeros
+    sparse / weighted    ``A_w``: the adjacency with edge values (an input such as ``edge_weight``)
+    sparse / diagonal    degree powers ``D_in^p`` (N_dst x N_dst), ``D_out^p`` (N_src x N_src)
+
+Inner nodes:
+
+    MatMul(a, b, c, ...)   the n-ary, associative product ``a b c ...`` (all adjacent products at one
+                           level: this is what the enumerator re-associates)
+    RowBroadcast(d, x)     ``c_ij = d_i x_ij``; the rewrite pass turns it into ``MatMul(diag(d), x)``
+    Add(a, b)              ``a + b`` (with row broadcasting of a 1 x k operand, as for a bias)
+    Apply(fn, x)           a barrier: a non-linear function nothing re-associates across
+
+Nodes are immutable and hashable, so equal sub-expressions compare equal (used for CSE and for the
+keys of once-per-graph values). Shapes are symbols: ``N_src``, ``N_dst`` on a block (N_dst <= N_src:
+the destinations are a prefix of the sources), ``N`` for both on a graph, ``k_in``, ``k_out``, ``1``.
+"""
+from dataclasses import dataclass, field, replace
+
+DENSE, SPARSE = "dense", "sparse"
+DATA, WEIGHT = "data", "weight"
+UNWEIGHTED, WEIGHTED, DIAGONAL = "unweighted", "weighted", "diagonal"
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A matrix of the IR.
+
+    ``source`` says where its value comes from at run time:
+    ``("arg", name)`` a forward() argument, ``("param", attr)`` a parameter of the module,
+    ``("graph",)`` the adjacency, ``("edge", name)`` adjacency with edge values from argument
+    ``name``, ``("degree", "in"|"out", power, clamp_min)`` a degree power.
+    ``transposed`` marks ``W^T`` of a stored ``W`` (``nn.Linear`` keeps ``W`` as out x in).
+    """
+    name: str
+    rows: str
+    cols: str
+    kind: str
+    sub: str
+    source: tuple = field(compare=True)
+    transposed: bool = False
+
+    @property
+    def graph_only(self):
+        """Depends on the graph alone, so anything computed from it is computed once per graph."""
+        return self.source[0] in ("graph", "degree")
+
+    def __str__(self):
+        return self.name
+
+
+@dataclass(frozen=True)
+class MatMul:
+    args: tuple
+
+    @property
+    def rows(self):
+        return self.args[0].rows
+
+    @property
+    def cols(self):
+        return self.args[-1].cols
+
+    def __str__(self):
+        return "(" + " . ".join(str(a) for a in self.args) + ")"
+
+
+@dataclass(frozen=True)
+class RowBroadcast:
+    vec: Leaf
+    x: object
+
+    @property
+    def rows(self):
+        return self.x.rows
+
+    @property
+    def cols(self):
+        return self.x.cols
+
+    def __str__(self):
+        return f"({self.vec} (x) {self.x})"
+
+
+@dataclass(frozen=True)
+class Add:
+    a: object
+    b: object
+
+    @property
+    def rows(self):
+        return self.a.rows if self.a.rows != "1" else self.b.rows
+
+    @property
+    def cols(self):
+        return self.a.cols
+
+    def __str__(self):
+        return f"({self.a} + {self.b})"
+
+
+@dataclass(frozen=True)
+class Apply:
+    """A barrier: ``fn`` applied element-wise (or row-wise); ``label`` is what a person reads."""
+    label: str
+    x: object
+    fn: object = field(compare=False, default=None)
+
+    @property
+    def rows(self):
+        return self.x.rows
+
+    @property
+    def cols(self):
+        return self.x.cols
+
+    def __str__(self):
+        return f"{self.label}({self.x})"
+
+
+def is_diag(m):
+    return isinstance(m, Leaf) and m.sub == DIAGONAL
+
+
+def children(node):
+    """The operands of an inner node (empty for a leaf)."""
+    if isinstance(node, MatMul):
+        return node.args
+    if isinstance(node, RowBroadcast):
+        return (node.vec, node.x)
+    if isinstance(node, Add):
+        return (node.a, node.b)
+    if isinstance(node, Apply):
+        return (node.x,)
+    return ()
+
+
+def leaves(node):
+    """All leaves under ``node``, left to right."""
+    if isinstance(node, Leaf):
+        return [node]
+    return [leaf for c in children(node) for leaf in leaves(c)]
+
+
+def matmul(*factors):
+    """The product of ``factors``, flattened so that nested products sit at one level."""
+    flat = []
+    for f in factors:
+        flat.extend(f.args if isinstance(f, MatMul) else (f,))
+    for a, b in zip(flat, flat[1:]):
+        if a.cols != b.rows:
+            raise ValueError(f"shape mismatch in product: {a} is ?x{a.cols}, {b} is {b.rows}x?")
+    return flat[0] if len(flat) == 1 else MatMul(tuple(flat))
+
+
+def rewrite_row_broadcasts(node):
+    """The rewrite pass: ``RowBroadcast(d, x)`` becomes ``MatMul(diag(d), x)``.
+
+    ``c_ij = d_i x_ij`` is the product ``diag(d) X``; as a product it can re-associate with its
+    neighbours (paper, Appendix C), while a row-broadcast is a barrier.
+    """
+    if isinstance(node, Leaf):
+        return node
+    if isinstance(node, RowBroadcast):
+        return matmul(node.vec, rewrite_row_broadcasts(node.x))
+    if isinstance(node, MatMul):
+        return matmul(*(rewrite_row_broadcasts(a) for a in node.args))
+    if isinstance(node, Add):
+        return Add(rewrite_row_broadcasts(node.a), rewrite_row_broadcasts(node.b))
+    if isinstance(node, Apply):
+        return Apply(node.label, rewrite_row_broadcasts(node.x), node.fn)
+    raise TypeError(f"unknown IR node {node!r}")
+
+
+def rename_sizes(node, mapping):
+    """``node`` with the shape symbols renamed by ``mapping`` (e.g. N_src, N_dst -> N on a graph)."""
+    if isinstance(node, Leaf):
+        return replace(node, rows=mapping.get(node.rows, node.rows),
+                       cols=mapping.get(node.cols, node.cols))
+    if isinstance(node, MatMul):
+        return MatMul(tuple(rename_sizes(a, mapping) for a in node.args))
+    if isinstance(node, RowBroadcast):
+        return RowBroadcast(rename_sizes(node.vec, mapping), rename_sizes(node.x, mapping))
+    if isinstance(node, Add):
+        return Add(rename_sizes(node.a, mapping), rename_sizes(node.b, mapping))
+    return Apply(node.label, rename_sizes(node.x, mapping), node.fn)
+
+
+def describe(node, indent=0):
+    """A multi-line rendering of the tree, one node per line, leaves with their attributes."""
+    pad = "  " * indent
+    if isinstance(node, Leaf):
+        t = "^T" if node.transposed else ""
+        return f"{pad}{node.name}{t}  [{node.rows} x {node.cols}] {node.kind}/{node.sub}"
+    head = {MatMul: "matmul", RowBroadcast: "row-broadcast", Add: "add"}.get(type(node))
+    if head is None:
+        head = f"apply {node.label}"
+    lines = [f"{pad}{head}"] + [describe(c, indent + 1) for c in children(node)]
+    return "\n".join(lines)

@@ -1,0 +1,309 @@
+"""Lowering: a promoted association tree -> a ``Plan`` of primitive calls, and its Python code.
+
+A plan is the ordered list of ``Step``s that computes the layer, each a primitive call on earlier
+results. A step is run
+
+    every call      when it reads a weight (its result changes whenever the weights do),
+    once per graph  when it reads only the graph (degree powers, a normalised adjacency ``D A D``),
+    once per input  when it reads only the graph and the input features/edge values: when these do
+                    not require grad (the first layer of a model on fixed features), ``A H`` is
+                    computed once and reused while the same tensor (same version) comes back.
+
+Once-per-graph and once-per-input values live in the graph's ``GraphInfo.cache`` under the text of
+their sub-expression, so two layers on the same graph share them and a new graph never sees them.
+
+``plan_code(plan, impls)`` generates the function that runs a plan with one kernel implementation
+per step: plain Python a person can read (``explain`` prints it), compiled once per choice.
+"""
+import re
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ir, kernels
+from .enumerate import Node, steps as tree_steps
+from .prune import signature
+
+EVERY, GRAPH, INPUT = "every call", "once per graph", "once per input"
+
+
+@dataclass
+class Step:
+    var: str
+    prim: str            # kernel primitive; "add" and "apply" run inline
+    args: tuple          # argument expressions in the generated code (variable names or None)
+    when: str            # EVERY, GRAPH or INPUT
+    key: str             # text of the sub-expression: the cache key of once-per-graph/input values
+    sig: tuple = None    # (primitive, once, symbolic sizes) for cost models
+    inputs: tuple = ()   # input variables a once-per-input step depends on
+
+
+@dataclass
+class Plan:
+    index: int
+    choice: dict                     # {product: association tree}
+    scenarios: tuple
+    steps: list
+    leaves: dict                     # variable name -> Leaf (arguments, parameters, degrees)
+    out: str
+    applies: dict = field(default_factory=dict)   # variable name -> callable of an Apply barrier
+
+    def composition(self):
+        """The primitives in execution order, e.g. ``sddmm_scale -> spmm_weighted -> gemm``."""
+        return " -> ".join(s.prim for s in self.steps if s.prim not in ("add", "apply"))
+
+    def trees(self):
+        return "; ".join(str(t) for t in self.choice.values())
+
+
+def _ident(text):
+    return re.sub(r"\W", "_", text.replace("^-", "_m").replace(".", "_")).strip("_")
+
+
+def leaf_var(leaf):
+    if leaf.source[0] == "degree":
+        _, side, p, _ = leaf.source
+        return _ident(f"D_{side}_p{p:g}")
+    if leaf.source[0] in ("arg", "edge", "arg_dst"):
+        return _ident(leaf.source[1] + ("_dst" if leaf.source[0] == "arg_dst" else ""))
+    return _ident(leaf.name)
+
+
+def _when(leaf_set):
+    sources = {l.source[0] for l in leaf_set}
+    if sources <= {"graph", "degree"}:
+        return GRAPH
+    if any(l.sub == ir.WEIGHT for l in leaf_set):
+        return EVERY
+    return INPUT
+
+
+def lower(index, choice, scenarios, root):
+    """The plan of one promoted tree ``choice`` of the layer IR ``root``."""
+    plan = Plan(index, choice, scenarios, [], {}, out="")
+    names = {}
+
+    def value(n):
+        if n in names:
+            return names[n]
+        if isinstance(n, ir.Leaf):
+            if n.source == ("graph",):
+                names[n] = None
+                return None
+            var = leaf_var(n)
+            plan.leaves[var] = n
+            names[n] = var
+            return var
+        if isinstance(n, ir.MatMul):
+            return value(choice[n])
+        if isinstance(n, Node):
+            return node_step(n)
+        if isinstance(n, ir.Add):
+            a, b = value(n.a), value(n.b)
+            return emit(n, "add", (a, b), EVERY, str(n))
+        if isinstance(n, ir.Apply):
+            x = value(n.x)
+            var = emit(n, "apply", (x,), EVERY, str(n))
+            plan.applies["f_" + var] = n.fn
+            return var
+        raise TypeError(f"cannot lower {n!r}")
+
+    def node_step(n):
+        for p in n.parts:
+            value(p)
+        lv = ir_leaves(n)
+        when = _when(lv)
+        if n.prim == "sddmm_scale":
+            parts = list(n.parts)
+            d_dst = parts.pop(0) if parts[0].sub == ir.DIAGONAL else None
+            d_src = parts.pop() if parts[-1].sub == ir.DIAGONAL else None
+            (adj,) = parts
+            args = (names.get(d_dst), edge_values(adj), names.get(d_src))
+        elif n.prim == "spmm":
+            args = (names[n.parts[1]],)
+        elif n.prim == "spmm_weighted":
+            args = (edge_values(n.parts[0]), names[n.parts[1]])
+        else:
+            args = (names[n.parts[0]], names[n.parts[1]])
+        inputs = tuple(sorted({leaf_var(l) for l in lv if l.source[0] in ("arg", "edge")}))
+        return emit(n, n.prim, args, when, str(n), signature(n), inputs)
+
+    def edge_values(adj):
+        """The edge-value argument of a sparse operand: ``None`` for ``A``, else a variable."""
+        if isinstance(adj, ir.Leaf):
+            return value(adj) if adj.sub == ir.WEIGHTED else None
+        return names[adj]
+
+    def emit(n, prim, args, when, key, sig=None, inputs=()):
+        var = f"t{len(plan.steps)}"
+        plan.steps.append(Step(var, prim, args, when, key, sig, inputs))
+        names[n] = var
+        return var
+
+    plan.out = value(root)
+    return plan
+
+
+def ir_leaves(n):
+    if isinstance(n, ir.Leaf):
+        return {n}
+    return set().union(*(ir_leaves(p) for p in n.parts))
+
+
+def _call(step, impl):
+    fn = f"{step.prim}_{impl}"
+    graph_first = step.prim not in ("gemm", "row_scale", "diag_mul")
+    args = (["gi"] if graph_first else []) + [a if a is not None else "None" for a in step.args]
+    return f"{fn}({', '.join(args)})"
+
+
+def plan_code(plan, impls, name="plan"):
+    """Python source of ``plan`` run with kernel implementation ``impls[i]`` for step ``i``.
+
+    A chain of once-per-input steps becomes one nested function cached under the key of its last
+    step: only the value the weights then use is kept, not every intermediate.
+    """
+    leaf_args = [v for v, l in plan.leaves.items() if l.source[0] != "degree"]
+    lines = [f"def {name}_{plan.index}(gi, {', '.join(leaf_args)}):",
+             f"    # {plan.composition()}",
+             f"    # tree: {plan.trees()}"]
+    for var, leaf in plan.leaves.items():
+        if leaf.source[0] == "degree":
+            _, side, p, clamp = leaf.source
+            lines.append(f"    {var} = degree_power(gi, {side!r}, {p!r}, {clamp!r})")
+    impl_of = {s.var: impl for s, impl in zip(plan.steps, impls)}
+    by_var = {s.var: s for s in plan.steps}
+    inner = _inner_input_steps(plan)
+    for step in plan.steps:
+        if step.var in inner:
+            continue
+        expr = _expr(step, impl_of[step.var])
+        if step.when == GRAPH:
+            expr = f"once_per_graph(gi, {step.key!r}, lambda: {expr})"
+        elif step.when == INPUT:
+            chain = [by_var[v] for v in _chain(step, by_var, inner)]
+            if chain:
+                lines.append(f"    def {step.var}_compute():")
+                lines += [f"        {c.var} = {_expr(c, impl_of[c.var])}" for c in chain]
+                lines.append(f"        return {expr}")
+                expr = f"{step.var}_compute"
+            else:
+                expr = f"lambda: {expr}"
+            expr = f"once_per_input(gi, {step.key!r}, ({', '.join(step.inputs)},), {expr})"
+        lines.append(f"    {step.var} = {expr}")
+    lines.append(f"    return {plan.out}")
+    return "\n".join(lines) + "\n"
+
+
+def _expr(step, impl):
+    if step.prim == "add":
+        return f"{step.args[0]} + {step.args[1]}"
+    if step.prim == "apply":
+        return f"f_{step.var}({step.args[0]})"
+    return _call(step, impl)
+
+
+def _inner_input_steps(plan):
+    """Once-per-input steps whose every consumer is another once-per-input step."""
+    users = {s.var: [] for s in plan.steps}
+    for s in plan.steps:
+        for a in s.args:
+            if a in users:
+                users[a].append(s)
+    return {s.var for s in plan.steps
+            if s.when == INPUT and s.var != plan.out and users[s.var]
+            and all(u.when == INPUT for u in users[s.var])}
+
+
+def _chain(step, by_var, inner):
+    """The inner steps ``step`` depends on, in execution order."""
+    need = []
+
+    def visit(var):
+        if var in inner and var not in need:
+            for a in by_var[var].args:
+                visit(a)
+            need.append(var)
+    for a in step.args:
+        visit(a)
+    return need
+
+
+def compile_plan(plan, impls):
+    """The function of ``plan_code(plan, impls)`` and its source."""
+    src = plan_code(plan, impls)
+    ns = dict(RUNTIME)
+    for step, impl in zip(plan.steps, impls):
+        if step.prim not in ("add", "apply") and f"{step.prim}_{impl}" not in ns:
+            ns[f"{step.prim}_{impl}"] = kernels.get(step.prim, impl)
+    ns.update(plan.applies)
+    exec(compile(src, f"<granii plan {plan.index}>", "exec"), ns)
+    return ns[f"plan_{plan.index}"], src
+
+
+def default_impls(plan):
+    return tuple(step_impls(s)[0] for s in plan.steps)
+
+
+def step_impls(step):
+    """The kernel implementations that can run ``step``."""
+    if step.prim in kernels.REGISTRY:
+        return kernels.implementations(step.prim)
+    return ("torch",) if step.prim == "diag_mul" else ("inline",)
+
+
+# -- runtime helpers the generated code calls ------------------------------------------------------
+def degree_power(gi, side, power, clamp):
+    """``deg^power`` of the in- (destination) or out- (source) degrees, clamped below first."""
+    def make():
+        d = gi.in_degrees() if side == "in" else gi.out_degrees()
+        if clamp is not None:
+            d = d.clamp(min=clamp)
+        return d if power == 1 else torch.pow(d, power)
+    return gi.memo(("degree", side, power, clamp), make)
+
+
+def once_per_graph(gi, key, compute):
+    """``compute()`` once per graph: its value depends on the graph alone."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return gi.memo(("once", key), compute)
+    return gi.memo(("once", key), compute)
+
+
+def once_per_input(gi, key, tensors, compute):
+    """``compute()`` once per (graph, input tensors) while the inputs need no gradient.
+
+    The entry remembers the inputs by weak reference and version counter: another tensor, or the
+    same one changed in place, computes again. With inputs that require grad it always computes.
+    """
+    if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
+        return compute()
+    entry = gi.cache.get(("input", key))
+    if entry is not None:
+        refs, versions, value = entry
+        if all(r() is t and t._version == v for r, t, v in zip(refs, tensors, versions)):
+            return value
+    value = compute()
+    gi.cache[("input", key)] = ([weakref.ref(t) for t in tensors],
+                                [t._version for t in tensors], value)
+    return value
+
+
+def diag_mul_torch(a, b):
+    """``diag(a) diag(b) = diag(a * b)``."""
+    return a * b
+
+
+RUNTIME = {"degree_power": degree_power, "once_per_graph": once_per_graph,
+           "once_per_input": once_per_input, "diag_mul_torch": diag_mul_torch}
+
+
+def all_steps(choice):
+    """Distinct primitive calls of a layer tree (CSE across its products)."""
+    seen = {}
+    for tree in choice.values():
+        for s in tree_steps(tree):
+            seen.setdefault(s, None)
+    return list(seen)

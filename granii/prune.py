@@ -1,0 +1,105 @@
+"""Input-oblivious pruning of association trees (paper, section IV-C).
+
+Each tree is a multiset of primitive calls; a call's *signature* is its primitive, whether it runs
+once per graph, and the symbolic sizes of its operands:
+
+    gemm (m, k, n)   spmm / spmm_weighted (E, k)   row_scale (n, k)   sddmm_scale (E,)   diag_mul (n,)
+
+Two embedding-size scenarios are considered, ``k_in >= k_out`` and ``k_in < k_out``; in both
+``N_dst <= N_src`` (a block's destinations are a prefix of its sources). Tree ``T`` is pruned in a
+scenario when another tree ``S`` *dominates* it: every call of ``S`` matches a distinct call of
+``T`` of the same primitive on operands no larger. That covers both rules of the paper: a superset
+of another tree's primitives (``T`` has extra calls), and the same primitives on larger matrices.
+Two trees that dominate each other are duplicates and the first is kept. A tree pruned in both
+scenarios is dropped; the others are promoted, annotated with the scenarios they survive.
+"""
+import itertools
+
+from .enumerate import steps
+
+GE, LT = ">=", "<"          # k_in >= k_out, k_in < k_out
+SCENARIOS = (GE, LT)
+_ORDER = {GE: {("k_out", "k_in"), ("N_dst", "N_src")},
+          LT: {("k_in", "k_out"), ("N_dst", "N_src")}}
+
+
+def signature(node):
+    """``(primitive, once_per_graph, sizes)`` of one primitive call."""
+    if node.prim == "gemm":
+        left = node.parts[0]
+        dims = (left.rows, left.cols, node.cols)
+    elif node.prim in ("spmm", "spmm_weighted"):
+        dims = ("E", node.cols)
+    elif node.prim == "row_scale":
+        dims = (node.rows, node.cols)
+    elif node.prim == "sddmm_scale":
+        dims = ("E",)
+    else:
+        dims = (node.rows,)
+    return node.prim, node.graph_only, dims
+
+
+def tree_signatures(choice):
+    """Signatures of every call of one layer tree (a ``{product: tree}`` dict), sub-results once."""
+    seen = {}
+    for tree in choice.values():
+        for s in steps(tree):
+            seen.setdefault(s, None)
+    return [signature(s) for s in seen]
+
+
+def size_le(a, b, scenario):
+    return a == b or (a, b) in _ORDER[scenario]
+
+
+def dims_le(a, b, scenario):
+    """Some ordering of ``a``'s sizes is element-wise no larger than ``b``'s (cost is a product)."""
+    if len(a) != len(b):
+        return False
+    return any(all(size_le(x, y, scenario) for x, y in zip(perm, b))
+               for perm in itertools.permutations(a))
+
+
+def covered_by(small, big, scenario):
+    """Each call of ``small`` matches a distinct call of ``big``, same primitive, no larger."""
+    if len(small) > len(big):
+        return False
+
+    def match(i, used):
+        if i == len(small):
+            return True
+        p, once, dims = small[i]
+        for j, (q, once_q, dims_q) in enumerate(big):
+            if j not in used and p == q and once == once_q and dims_le(dims, dims_q, scenario):
+                if match(i + 1, used | {j}):
+                    return True
+        return False
+    return match(0, frozenset())
+
+
+def survivors(sigs, scenario):
+    """Indices of the trees not dominated by another in ``scenario``."""
+    keep = []
+    for i, t in enumerate(sigs):
+        dominated = False
+        for j, s in enumerate(sigs):
+            if i == j or not covered_by(s, t, scenario):
+                continue
+            if not covered_by(t, s, scenario) or j < i:
+                dominated = True
+                break
+        if not dominated:
+            keep.append(i)
+    return keep
+
+
+def prune(forest):
+    """``[(choice, scenarios)]``: the promoted trees of ``forest`` with the scenarios they survive."""
+    sigs = [tree_signatures(c) for c in forest]
+    alive = {s: set(survivors(sigs, s)) for s in SCENARIOS}
+    promoted = []
+    for i, choice in enumerate(forest):
+        scen = tuple(s for s in SCENARIOS if i in alive[s])
+        if scen:
+            promoted.append((choice, scen))
+    return promoted

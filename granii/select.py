@@ -1,0 +1,79 @@
+"""Selection: the cheapest promoted plan, and the kernel implementation of each of its steps.
+
+    cost(plan) = sum over steps s of  min over implementations i of  c(s, i)
+    c(s, i)    = predicted forward time (+ backward when training) of s run by i,
+                 divided by ``expected_calls`` when s runs once per graph or once per input.
+
+Plans promoted only for the other embedding-size scenario are skipped first (the paper's
+"conditions using embedding sizes"), so the cost models see the rest only.
+Training (gradients needed) adds the backward of each every-call step: one more call of the
+same size per operand that needs a gradient (``dX = A^T dY`` is an SpMM, ``dW = X^T dY`` a GEMM).
+"""
+from dataclasses import dataclass
+
+from .costmodel import concrete_dims
+from .plan import EVERY, GRAPH, INPUT, step_impls
+from .prune import GE, LT
+
+EXPECTED_CALLS = 100
+
+
+@dataclass
+class Choice:
+    plan: object
+    impls: tuple
+    cost: float
+    step_costs: list          # (step, impl, seconds as counted)
+
+
+def scenario(symbols):
+    if "k_in" in symbols and "k_out" in symbols:
+        return GE if symbols["k_in"] >= symbols["k_out"] else LT
+    return None
+
+
+def rank(plans, gi, symbols, model, training=False, input_grad=False,
+         expected_calls=EXPECTED_CALLS):
+    """All candidate plans for this input as ``Choice``s, cheapest first."""
+    scen = scenario(symbols)
+    candidates = [p for p in plans if scen is None or scen in p.scenarios] or list(plans)
+    ranked = [price(p, gi, symbols, model, training, input_grad, expected_calls)
+              for p in candidates]
+    return sorted(ranked, key=lambda c: c.cost)
+
+
+def price(plan, gi, symbols, model, training, input_grad, expected_calls):
+    grad_vars = _needs_grad(plan, training, input_grad)
+    impls, rows, total = [], [], 0.0
+    for step in plan.steps:
+        if step.sig is None:
+            impls.append("inline")
+            continue
+        dims = concrete_dims(step.sig, symbols)
+        options = []
+        for impl in step_impls(step):
+            t = model.predict(step.prim, impl, gi, dims)
+            n_bwd = sum(1 for a in step.args if a in grad_vars)
+            t *= 1 + n_bwd
+            amortised = step.when == GRAPH or (step.when == INPUT and not input_grad)
+            options.append((t / expected_calls if amortised else t, impl))
+        t, impl = min(options)
+        impls.append(impl)
+        rows.append((step, impl, t))
+        total += t
+    return Choice(plan, tuple(impls), total, rows)
+
+
+def _needs_grad(plan, training, input_grad):
+    """Variables whose gradient the backward pass computes."""
+    if not training:
+        return set()
+    grad = {v for v, l in plan.leaves.items()
+            if l.sub == "weight" or (input_grad and l.source[0] in ("arg", "edge"))}
+    for step in plan.steps:
+        if any(a in grad for a in step.args):
+            grad.add(step.var)
+    return grad
+
+
+__all__ = ["rank", "Choice", "EXPECTED_CALLS", "EVERY"]

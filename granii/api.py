@@ -121,41 +121,69 @@ def layer_states(model):
 
 
 # -- dispatch --------------------------------------------------------------------------------------
+@dataclass
+class Call:
+    """One call of a layer, bound: what its plans need to run."""
+    compiled: object
+    gi: object
+    leaf_vals: dict
+    symbols: dict
+    key: tuple
+    training: bool
+    input_grad: bool
+
+
+def prepare(state, module, args, kwargs):
+    """Bind a call of ``module``; a string (the reason) when the original forward must run."""
+    bound = state.signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    values = bound.arguments
+    names = list(values)
+    graph, feat = values[names[0]], values[names[1]]
+    reason = _unsupported_input(feat)
+    if reason:
+        return reason
+    present = frozenset(n for n in names[2:] if values[n] is not None)
+    key = (present, bool(graph.is_block))
+    compiled = state.compiled.get(key)
+    if compiled is None:
+        compiled = state.compiled[key] = _compile(module, present, graph.is_block)
+    if isinstance(compiled, Exception):
+        return str(compiled)
+    gi = graph_info(graph)
+    _run_guards(state, compiled.layer_ir, gi, values, module)
+    leaf_vals, symbols = _bind(state, compiled, gi, values, module)
+    training = torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
+    input_grad = torch.is_grad_enabled() and feat.requires_grad
+    return Call(compiled, gi, leaf_vals, symbols, key, training, input_grad)
+
+
+def run_plan(call, plan, impls):
+    """Run ``plan`` with kernel implementations ``impls`` on a prepared call (compiled each time:
+    for tests and benchmarks; the dispatcher caches its compiled choice)."""
+    fn, _ = compile_plan(plan, impls)
+    return fn(call.gi, *(call.leaf_vals[v] for v in leaf_vals_order(plan)))
+
+
 def _make_dispatch(state, opts):
     def forward(self, *args, **kwargs):
-        bound = state.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        values = bound.arguments
-        names = list(values)
-        graph, feat = values[names[0]], values[names[1]]
-        reason = _unsupported_input(feat)
-        if reason:
-            return _fallback(state, reason, args, kwargs)
-        present = frozenset(n for n in names[2:] if values[n] is not None)
-        key = (present, bool(graph.is_block))
-        compiled = state.compiled.get(key)
-        if compiled is None:
-            compiled = state.compiled[key] = _compile(self, present, graph.is_block)
-        if isinstance(compiled, Exception):
-            return _fallback(state, str(compiled), args, kwargs)
-        gi = graph_info(graph)
-        _run_guards(state, compiled.layer_ir, gi, values, self)
-        leaf_vals, symbols = _bind(state, compiled, gi, values, self)
-        training = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
-        input_grad = torch.is_grad_enabled() and feat.requires_grad
-        dkey = ("decision", id(state), key, tuple(sorted(symbols.items())), training, input_grad)
-        decision = gi.cache.get(dkey)
+        call = prepare(state, self, args, kwargs)
+        if isinstance(call, str):
+            return _fallback(state, call, args, kwargs)
+        dkey = ("decision", id(state), call.key, tuple(sorted(call.symbols.items())),
+                call.training, call.input_grad)
+        decision = call.gi.cache.get(dkey)
         if decision is None:
-            ranking = rank(compiled.plans, gi, symbols, opts.cost_model, training, input_grad,
-                           opts.expected_calls)
+            ranking = rank(call.compiled.plans, call.gi, call.symbols, opts.cost_model,
+                           call.training, call.input_grad, opts.expected_calls)
             best = ranking[0]
             fn, code = compile_plan(best.plan, best.impls)
-            decision = gi.cache[dkey] = (fn, best.plan, [leaf_vals_order(best.plan)])
-            state.last = (symbols, ranking, best, code, training, opts.cost_model.name)
-        fn, plan, (order,) = decision
+            decision = call.gi.cache[dkey] = (fn, leaf_vals_order(best.plan))
+            state.last = (call.symbols, ranking, best, code, call.training, opts.cost_model.name)
+        fn, order = decision
         state.calls += 1
         state.fallback = None
-        return fn(gi, *(leaf_vals[v] for v in order))
+        return fn(call.gi, *(call.leaf_vals[v] for v in order))
     return forward
 
 
@@ -312,7 +340,8 @@ def _explain_layer(st, out):
     if st.fallback:
         p(f"  last call ran the original forward: {st.fallback}")
     if st.last is None:
-        p("  no decision yet (the layer has not run on an input)")
+        if not st.fallback:
+            p("  no decision yet (the layer has not run on an input)")
         p("")
         return
     symbols, ranking, best, code, training, model_name = st.last

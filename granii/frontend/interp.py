@@ -31,6 +31,13 @@ _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast
 _SYMBOLIC = (Tensor, Edges, Degrees, Graph, Frame, Shape, GraphCondition, Method)
 
 
+class PythonFunction:
+    """A lambda in the source: opaque to the frontend (it never runs it)."""
+
+    def __init__(self, text):
+        self.text = text
+
+
 class _Return(Exception):
     def __init__(self, value):
         self.value = value
@@ -195,6 +202,9 @@ class Interpreter:
 
     def expr_JoinedStr(self, e):
         return "<string>"
+
+    def expr_Lambda(self, e):
+        return PythonFunction(ast.unparse(e))
 
     def expr_IfExp(self, e):
         c = self.eval(e.test)

@@ -1,0 +1,54 @@
+"""Shared test helper: run every promoted plan of a layer and compare with the original layer."""
+import itertools
+
+import torch
+
+from granii.api import LayerState, prepare, run_plan
+from granii.plan import step_impls
+import inspect
+
+
+def impl_choices(plan):
+    """Two kernel assignments covering every implementation of every step: first and last."""
+    per_step = [step_impls(s) for s in plan.steps]
+    first = tuple(o[0] for o in per_step)
+    last = tuple(o[-1] for o in per_step)
+    return [first] if first == last else [first, last]
+
+
+def state_for(layer):
+    return LayerState(type(layer).__name__, layer, layer.forward, inspect.signature(layer.forward))
+
+
+def grads(out, inputs, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = torch.randn(out.shape, generator=gen)
+    return torch.autograd.grad((out * r).sum(), inputs, allow_unused=True)
+
+
+def check_all_plans(layer, args, kwargs, grad_inputs, atol=1e-4, rtol=1e-4):
+    """Every promoted plan, with every kernel implementation, equals ``layer(*args, **kwargs)``
+    in output and in the gradients of ``grad_inputs``. Returns the number of (plan, impls) run."""
+    ref = layer(*args, **kwargs)
+    ref_grads = grads(ref, grad_inputs)
+    state = state_for(layer)
+    call = prepare(state, layer, args, kwargs)
+    assert not isinstance(call, str), f"not optimized: {call}"
+    assert call.compiled.plans, "no promoted plan"
+    n = 0
+    for plan in call.compiled.plans:
+        for impls in impl_choices(plan):
+            out = run_plan(call, plan, impls)
+            what = f"plan {plan.index} ({plan.composition()}) with {impls}"
+            torch.testing.assert_close(out, ref, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+            for g, rg, x in zip(grads(out, grad_inputs), ref_grads, grad_inputs):
+                if rg is None:
+                    assert g is None or not g.abs().sum(), what
+                    continue
+                torch.testing.assert_close(g, rg, atol=atol, rtol=rtol,
+                                           msg=lambda m: f"{what}, gradient: {m}")
+            n += 1
+    return n
+
+
+__all__ = ["check_all_plans", "impl_choices", "itertools"]

@@ -20,7 +20,7 @@ Nodes are immutable and hashable, so equal sub-expressions compare equal (used f
 keys of once-per-graph values). Shapes are symbols: ``N_src``, ``N_dst`` on a block (N_dst <= N_src:
 the destinations are a prefix of the sources), ``N`` for both on a graph, ``k_in``, ``k_out``, ``1``.
 """
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 DENSE, SPARSE = "dense", "sparse"
 DATA, WEIGHT = "data", "weight"
@@ -175,20 +175,6 @@ def rewrite_row_broadcasts(node):
     if isinstance(node, Apply):
         return Apply(node.label, rewrite_row_broadcasts(node.x), node.fn)
     raise TypeError(f"unknown IR node {node!r}")
-
-
-def rename_sizes(node, mapping):
-    """``node`` with the shape symbols renamed by ``mapping`` (e.g. N_src, N_dst -> N on a graph)."""
-    if isinstance(node, Leaf):
-        return replace(node, rows=mapping.get(node.rows, node.rows),
-                       cols=mapping.get(node.cols, node.cols))
-    if isinstance(node, MatMul):
-        return MatMul(tuple(rename_sizes(a, mapping) for a in node.args))
-    if isinstance(node, RowBroadcast):
-        return RowBroadcast(rename_sizes(node.vec, mapping), rename_sizes(node.x, mapping))
-    if isinstance(node, Add):
-        return Add(rename_sizes(node.a, mapping), rename_sizes(node.b, mapping))
-    return Apply(node.label, rename_sizes(node.x, mapping), node.fn)
 
 
 def describe(node, indent=0):

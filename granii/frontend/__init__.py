@@ -37,19 +37,19 @@ def lower_layer(module, present=frozenset(), is_block=False):
     graph_name, feat_name = params[0], params[1]
     self_name = func_def.args.args[0].arg
     bound = {self_name: module, graph_name: Graph(is_block=is_block)}
-    bound[feat_name] = Tensor(ir.Leaf("H", "N_src", "k_in", ir.DENSE, ir.DATA, ("arg", feat_name)))
+    n_src = "N_src" if is_block else "N"
+    bound[feat_name] = Tensor(ir.Leaf("H", n_src, "k_in", ir.DENSE, ir.DATA, ("arg", feat_name)))
     for name in params[2:]:
         if name in present:
             bound[name] = Tensor(ir.Leaf(name, None, None, ir.DENSE, ir.WEIGHT, ("arg", name)))
         else:
             bound[name] = None
-    interp = Interpreter(module, func_def, globals_, src)
+    interp = Interpreter(module, func_def, globals_, src, is_block)
     out = interp.run(bound)
     if not isinstance(out, Tensor):
         raise FrontendError("return value", f"forward returns {type(out).__name__}, not a tensor")
     _check_complete(out.node)
-    raw = out.node if is_block else ir.rename_sizes(out.node, {"N_src": "N", "N_dst": "N"})
-    return LayerIR(type(module).__name__, ir.rewrite_row_broadcasts(raw), raw,
+    return LayerIR(type(module).__name__, ir.rewrite_row_broadcasts(out.node), out.node,
                    interp.guards, tuple(params), frozenset(present), src)
 
 

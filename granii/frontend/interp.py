@@ -54,8 +54,10 @@ def forward_ast(cls):
 class Interpreter:
     """Evaluates one ``forward`` for one module and one set of present/absent arguments."""
 
-    def __init__(self, module, func_def, globals_, src):
+    def __init__(self, module, func_def, globals_, src, is_block=False):
         self.module = module
+        # on a graph sources and destinations are the same nodes: one symbol, N
+        self.n_src, self.n_dst = ("N_src", "N_dst") if is_block else ("N", "N")
         self.globals = globals_
         self.src = src
         self.func = func_def

@@ -102,7 +102,7 @@ def update_all(it, graph, msg, red, node):
     src = graph.frames["src"]
     if msg.name == "copy_u":
         x = _frame_tensor(src, msg.in_field, node)
-        adj = it.leaf("A", "N_dst", "N_src", ir.SPARSE, ir.UNWEIGHTED, ("graph",))
+        adj = it.leaf("A", it.n_dst, it.n_src, ir.SPARSE, ir.UNWEIGHTED, ("graph",))
     elif msg.name in ("u_mul_e", "e_mul_u"):
         ufield, efield = ((msg.lhs_field, msg.rhs_field) if msg.lhs == _U
                           else (msg.rhs_field, msg.lhs_field))
@@ -110,7 +110,7 @@ def update_all(it, graph, msg, red, node):
         w = graph.frames["edge"].get(efield)
         if not isinstance(w, Edges) or w.arg is None:
             fail(node, f"u_mul_e with edge field '{efield}'", "edge values must be an argument")
-        adj = it.leaf("A_w", "N_dst", "N_src", ir.SPARSE, ir.WEIGHTED, ("edge", w.arg))
+        adj = it.leaf("A_w", it.n_dst, it.n_src, ir.SPARSE, ir.WEIGHTED, ("edge", w.arg))
     else:
         fail(node, f"message function fn.{msg.name}", "not lowered yet")
     if msg.out_field != red.msg_field:
@@ -120,7 +120,7 @@ def update_all(it, graph, msg, red, node):
     if red.name == "sum":
         out = ir.matmul(adj, x.node)
     elif red.name == "mean":
-        out = ir.matmul(Degrees("in", -1.0, 1.0).leaf(), adj, x.node)
+        out = ir.matmul(Degrees("in", -1.0, 1.0).leaf(it.n_dst), adj, x.node)
     else:
         fail(node, f"reduce function fn.{red.name}", "not lowered yet")
     graph.frames["dst"][red.out_field] = Tensor(out, 2)
@@ -154,11 +154,11 @@ def fix_shape(it, leaf, rows):
     return fixed
 
 
-def row_broadcast(x, deg, node):
-    rows = "N_dst" if deg.side == "in" else "N_src"
+def row_broadcast(it, x, deg, node):
+    rows = it.n_dst if deg.side == "in" else it.n_src
     if x.node.rows != rows:
         fail(node, f"scaling by {deg.side}-degrees", f"of a tensor whose rows are {x.node.rows}")
-    return Tensor(ir.RowBroadcast(deg.leaf(), x.node), x.ndim)
+    return Tensor(ir.RowBroadcast(deg.leaf(rows), x.node), x.ndim)
 
 
 def scale(it, x, c, node):
@@ -169,7 +169,7 @@ def binop(it, op, a, b, node):
     if op == "MatMult":
         return matmul(it, a, b, node)
     if isinstance(a, Degrees) or isinstance(b, Degrees):
-        return degree_arith(op, a, b, node)
+        return degree_arith(it, op, a, b, node)
     if isinstance(a, Shape) and isinstance(b, tuple) and op == "Add":
         return Shape(a.ndim + len(b))
     if isinstance(a, GraphCondition) or isinstance(b, GraphCondition):
@@ -187,13 +187,13 @@ def binop(it, op, a, b, node):
     fail(node, f"operator {op} on {type(a).__name__} and {type(b).__name__}", "not lowered")
 
 
-def degree_arith(op, a, b, node):
+def degree_arith(it, op, a, b, node):
     if op == "Mult" and isinstance(a, Tensor):
-        return row_broadcast(a, b, node)
+        return row_broadcast(it, a, b, node)
     if op == "Mult" and isinstance(b, Tensor):
-        return row_broadcast(b, a, node)
+        return row_broadcast(it, b, a, node)
     if op == "Div" and isinstance(a, Tensor):
-        return row_broadcast(a, dataclasses.replace(b, power=-b.power), node)
+        return row_broadcast(it, a, dataclasses.replace(b, power=-b.power), node)
     if op == "Div" and isinstance(a, (int, float)) and a == 1:
         return dataclasses.replace(b, power=-b.power)
     if op == "Pow" and isinstance(a, Degrees) and isinstance(b, (int, float)):
@@ -257,7 +257,7 @@ def call_function(it, func, args, kwargs, node):
     if func in (torch.matmul, torch.mm):
         return matmul(it, args[0], args[1], node)
     if func is torch.pow and isinstance(args[0], Degrees):
-        return degree_arith("Pow", args[0], args[1], node)
+        return degree_arith(it, "Pow", args[0], args[1], node)
     if func is torch.reshape and isinstance(args[0], Degrees):
         return args[0]
     if name == "expand_as_pair" and modname.startswith("dgl"):
@@ -281,7 +281,7 @@ def expand_as_pair(it, feat, graph, node):
         fail(node, "expand_as_pair", "second argument is not the graph")
     if not graph.is_block:
         return feat, feat
-    dst = it.leaf(feat.node.name + "_dst", "N_dst", feat.node.cols, ir.DENSE, ir.DATA,
+    dst = it.leaf(feat.node.name + "_dst", it.n_dst, feat.node.cols, ir.DENSE, ir.DATA,
                   ("arg_dst", feat.node.source[1]))
     return feat, Tensor(dst, feat.ndim)
 

@@ -45,10 +45,9 @@ class Degrees:
     power: float = 1.0
     clamp: float = None
 
-    def leaf(self):
+    def leaf(self, rows):
         p = self.power
         ptxt = "" if p == 1 else f"^{p:g}"
-        rows = "N_dst" if self.side == "in" else "N_src"
         return ir.Leaf(f"D_{self.side}{ptxt}", rows, rows, ir.SPARSE, ir.DIAGONAL,
                        ("degree", self.side, float(p), self.clamp))
 

@@ -147,7 +147,8 @@ def prepare(state, module, args, kwargs):
     key = (present, bool(graph.is_block))
     compiled = state.compiled.get(key)
     if compiled is None:
-        compiled = state.compiled[key] = _compile(module, present, graph.is_block)
+        compiled = state.compiled[key] = _compile(module, present, graph.is_block,
+                                                  dict(values, self=module))
     if isinstance(compiled, Exception):
         return str(compiled)
     gi = graph_info(graph)
@@ -208,15 +209,16 @@ def _fallback(state, reason, args, kwargs):
     return state.original(*args, **kwargs)
 
 
-def _compile(module, present, is_block):
+def _compile(module, present, is_block, real=None):
     try:
-        lir = lower_layer(module, present, is_block)
+        lir = lower_layer(module, present, is_block, real)
     except (FrontendError, RaisesForConfig) as e:
         return e
     forest = layer_forest(lir.root)
-    promoted = prune(forest)
-    plans = [lower(i, choice, scen, lir.root) for i, (choice, scen) in enumerate(promoted)]
-    return Compiled(lir, len(forest), plans)
+    promoted = prune([lower(i, root, choice) for i, (root, choice) in enumerate(forest)])
+    for i, plan in enumerate(promoted):
+        plan.index = i
+    return Compiled(lir, len(forest), promoted)
 
 
 def _run_guards(state, lir, gi, values, module):
@@ -259,13 +261,25 @@ def _bind(state, compiled, gi, values, module):
             val = values[src[1]]
             out[var] = val
             continue
+        elif src[0] == "scalar":
+            _, attr, offset, factor = src
+            val = _module_value(module, attr)
+            val = (offset + factor * val).reshape(1)
+            out[var] = val
+            continue
         else:
-            val = module.get_parameter(src[1])
+            val = _module_value(module, src[1])
             if leaf.transposed:
                 val = val.t()
         out[var] = val
         _check_size(state, leaf, val, symbols, feat)
     return out, symbols
+
+
+def _module_value(module, dotted):
+    for part in dotted.split("."):
+        module = getattr(module, part)
+    return module
 
 
 def _check_size(state, leaf, val, symbols, feat):

@@ -5,7 +5,7 @@ where ``dims`` holds the call's concrete sizes:
 
     gemm         {"m", "k", "n"}     (m x k) . (k x n)
     spmm*        {"n", "k"}          n destination rows, k columns; E comes from the graph
-    row_scale    {"n", "k"}
+    row_scale    {"n", "k"}       also add (X + Y) and row_slice (a view of the first n rows)
     sddmm_scale  {}                  E from the graph
     diag_mul     {"n"}
 
@@ -39,8 +39,10 @@ class AnalyticalCost:
         elif prim.startswith("spmm"):
             n, k = dims["n"], dims["k"]
             t = FLOAT * E * k / self.gather_rate + FLOAT * n * k / self.stream_rate + 8 * E / self.stream_rate
-        elif prim == "row_scale":
-            t = 2 * FLOAT * dims["n"] * dims["k"] / self.stream_rate
+        elif prim in ("row_scale", "add"):
+            t = (2 if prim == "row_scale" else 3) * FLOAT * dims["n"] * dims["k"] / self.stream_rate
+        elif prim == "row_slice":
+            return 1e-6
         elif prim.startswith("sddmm"):
             t = 3 * FLOAT * E / self.gather_rate + 8 * E / self.stream_rate
         else:
@@ -56,7 +58,7 @@ def concrete_dims(sig, symbols):
         return {"m": vals[0], "k": vals[1], "n": vals[2]}
     if prim.startswith("spmm"):
         return {"n": symbols.get("N_dst", symbols.get("N")), "k": vals[1]}
-    if prim == "row_scale":
+    if prim in ("row_scale", "add", "row_slice"):
         return {"n": vals[0], "k": vals[1]}
     if prim == "diag_mul":
         return {"n": vals[0]}

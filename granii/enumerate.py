@@ -46,6 +46,12 @@ class Node:
 
 def merge_rule(a, b):
     """``(primitive, kind, sub)`` of the product ``a . b``, or ``None`` if no primitive computes it."""
+    if a.sub == ir.SELECTION:
+        return ("row_slice", b.kind, b.sub) if b.kind == ir.DENSE else None
+    if a.sub == ir.SCALAR:
+        return ("row_scale", ir.DENSE, b.sub) if b.kind == ir.DENSE else None
+    if b.sub in (ir.SCALAR, ir.SELECTION):
+        return None
     da, db = a.sub == ir.DIAGONAL, b.sub == ir.DIAGONAL
     if da and db:
         return "diag_mul", ir.SPARSE, ir.DIAGONAL
@@ -63,18 +69,33 @@ def merge_rule(a, b):
 
 
 def merge(a, b):
-    """The node for ``a . b`` (flattening nested SDDMMs), or ``None`` if illegal."""
+    """The node for ``a . b``, or ``None`` if illegal.
+
+    Nested SDDMMs flatten while the result still has the form ``[D] A [D]`` (one diagonal on each
+    side at most), so the same scaling reached in different orders is one tree.
+    """
     rule = merge_rule(a, b)
     if rule is None:
         return None
     prim, kind, sub = rule
-    parts = []
-    for x in (a, b):
-        if prim == "sddmm_scale" and isinstance(x, Node) and x.prim == "sddmm_scale":
-            parts.extend(x.parts)
-        else:
-            parts.append(x)
+    parts = (a, b)
+    if prim == "sddmm_scale":
+        flat = []
+        for x in (a, b):
+            nested = isinstance(x, Node) and x.prim == "sddmm_scale"
+            flat.extend(x.parts if nested else (x,))
+        if _is_scaling(flat):
+            parts = tuple(flat)
     return Node(prim, tuple(parts), a.rows, b.cols, kind, sub)
+
+
+def _is_scaling(parts):
+    """``parts`` is ``[D] S [D]``: at most one diagonal each side of one sparse matrix."""
+    inner = [p for p in parts if p.sub != ir.DIAGONAL]
+    if len(inner) != 1:
+        return False
+    i = parts.index(inner[0])
+    return i <= 1 and len(parts) - i - 1 <= 1
 
 
 def association_trees(factors):
@@ -116,15 +137,23 @@ def products(root):
     def visit(n):
         if isinstance(n, ir.MatMul):
             found.append(n)
-            return
         for c in ir.children(n):
-            visit(c)
+            if not isinstance(n, ir.MatMul):
+                visit(c)
+            elif not isinstance(c, ir.Leaf):
+                visit(c)
     visit(root)
     return found
 
 
 def layer_forest(root):
-    """Every way to associate every product in the layer: a list of ``{MatMul: tree}`` dicts."""
-    prods = products(root)
-    per_product = [association_trees(p.args) for p in prods]
-    return [dict(zip(prods, choice)) for choice in itertools.product(*per_product)]
+    """Every way to associate every product in every distributed form of the layer.
+
+    A list of ``(ir_root, {MatMul: tree})``: the IR variant and one tree per product in it.
+    """
+    forest = []
+    for variant in ir.distribute_variants(root):
+        prods = list(dict.fromkeys(products(variant)))
+        per_product = [association_trees(p.args) for p in prods]
+        forest += [(variant, dict(zip(prods, c))) for c in itertools.product(*per_product)]
+    return forest

@@ -7,6 +7,8 @@ Leaves are matrices with symbolic shapes and the attributes of the GRANII paper'
     sparse / unweighted  the adjacency ``A`` (N_dst x N_src), only the positions of its nonzeros
     sparse / weighted    ``A_w``: the adjacency with edge values (an input such as ``edge_weight``)
     sparse / diagonal    degree powers ``D_in^p`` (N_dst x N_dst), ``D_out^p`` (N_src x N_src)
+    sparse / scalar      ``c I``, a scalar (GIN's ``1 + eps``) times the identity
+    sparse / selection   ``S = [I 0]`` (N_dst x N_src): on a block, the destination rows of the sources
 
 Inner nodes:
 
@@ -15,6 +17,7 @@ Inner nodes:
     RowBroadcast(d, x)     ``c_ij = d_i x_ij``; the rewrite pass turns it into ``MatMul(diag(d), x)``
     Add(a, b)              ``a + b`` (with row broadcasting of a 1 x k operand, as for a bias)
     Apply(fn, x)           a barrier: a non-linear function nothing re-associates across
+    Aggregate(prim, x)     a barrier that needs the graph: a non-linear aggregation (max, min)
 
 Nodes are immutable and hashable, so equal sub-expressions compare equal (used for CSE and for the
 keys of once-per-graph values). Shapes are symbols: ``N_src``, ``N_dst`` on a block (N_dst <= N_src:
@@ -25,6 +28,8 @@ from dataclasses import dataclass, field
 DENSE, SPARSE = "dense", "sparse"
 DATA, WEIGHT = "data", "weight"
 UNWEIGHTED, WEIGHTED, DIAGONAL = "unweighted", "weighted", "diagonal"
+SCALAR = "scalar"            # c I: a learnable or fixed scalar times the identity (GIN's 1 + eps)
+SELECTION = "selection"      # S = [I 0]: the destination rows of a block's sources
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class Leaf:
     @property
     def graph_only(self):
         """Depends on the graph alone, so anything computed from it is computed once per graph."""
-        return self.source[0] in ("graph", "degree")
+        return self.source[0] in ("graph", "degree", "select")
 
     def __str__(self):
         return self.name
@@ -56,6 +61,9 @@ class Leaf:
 
 @dataclass(frozen=True)
 class MatMul:
+    kind = DENSE          # an inner node's value is a dense matrix
+    sub = DATA
+    graph_only = False
     args: tuple
 
     @property
@@ -72,6 +80,9 @@ class MatMul:
 
 @dataclass(frozen=True)
 class RowBroadcast:
+    kind = DENSE          # an inner node's value is a dense matrix
+    sub = DATA
+    graph_only = False
     vec: Leaf
     x: object
 
@@ -89,6 +100,9 @@ class RowBroadcast:
 
 @dataclass(frozen=True)
 class Add:
+    kind = DENSE          # an inner node's value is a dense matrix
+    sub = DATA
+    graph_only = False
     a: object
     b: object
 
@@ -107,6 +121,9 @@ class Add:
 @dataclass(frozen=True)
 class Apply:
     """A barrier: ``fn`` applied element-wise (or row-wise); ``label`` is what a person reads."""
+    kind = DENSE
+    sub = DATA
+    graph_only = False
     label: str
     x: object
     fn: object = field(compare=False, default=None)
@@ -123,6 +140,26 @@ class Apply:
         return f"{self.label}({self.x})"
 
 
+@dataclass(frozen=True)
+class Aggregate:
+    kind = DENSE          # an inner node's value is a dense matrix
+    sub = DATA
+    graph_only = False
+    prim: str
+    x: object
+
+    @property
+    def rows(self):
+        return "N_dst" if self.x.rows == "N_src" else self.x.rows
+
+    @property
+    def cols(self):
+        return self.x.cols
+
+    def __str__(self):
+        return f"{self.prim}(A, {self.x})"
+
+
 def is_diag(m):
     return isinstance(m, Leaf) and m.sub == DIAGONAL
 
@@ -135,7 +172,7 @@ def children(node):
         return (node.vec, node.x)
     if isinstance(node, Add):
         return (node.a, node.b)
-    if isinstance(node, Apply):
+    if isinstance(node, (Apply, Aggregate)):
         return (node.x,)
     return ()
 
@@ -174,6 +211,8 @@ def rewrite_row_broadcasts(node):
         return Add(rewrite_row_broadcasts(node.a), rewrite_row_broadcasts(node.b))
     if isinstance(node, Apply):
         return Apply(node.label, rewrite_row_broadcasts(node.x), node.fn)
+    if isinstance(node, Aggregate):
+        return Aggregate(node.prim, rewrite_row_broadcasts(node.x))
     raise TypeError(f"unknown IR node {node!r}")
 
 
@@ -185,6 +224,39 @@ def describe(node, indent=0):
         return f"{pad}{node.name}{t}  [{node.rows} x {node.cols}] {node.kind}/{node.sub}"
     head = {MatMul: "matmul", RowBroadcast: "row-broadcast", Add: "add"}.get(type(node))
     if head is None:
-        head = f"apply {node.label}"
+        head = f"apply {node.label}" if isinstance(node, Apply) else f"aggregate {node.prim}"
     lines = [f"{pad}{head}"] + [describe(c, indent + 1) for c in children(node)]
     return "\n".join(lines)
+
+
+def distribute_variants(node):
+    """Every IR equal to ``node`` by distributing products over sums: ``(X + Y) W = X W + Y W``.
+
+    GIN's ``((1 + eps) H + A H) W`` becomes ``(1 + eps) H W + A H W``, where ``H W`` can be shared
+    and the aggregation runs at the output width. Sums with a broadcast row (a bias) stay.
+    """
+    if isinstance(node, Leaf):
+        return [node]
+    if isinstance(node, MatMul):
+        out = []
+        for args in _product_variants([distribute_variants(a) for a in node.args]):
+            out.append(matmul(*args))
+            for i, a in enumerate(args):
+                if isinstance(a, Add) and a.a.rows != "1" and a.b.rows != "1":
+                    left, right = args[:i], args[i + 1:]
+                    for v in distribute_variants(Add(matmul(*left, a.a, *right),
+                                                     matmul(*left, a.b, *right))):
+                        out.append(v)
+        return list(dict.fromkeys(out))
+    if isinstance(node, Add):
+        return [Add(a, b) for a in distribute_variants(node.a) for b in distribute_variants(node.b)]
+    if isinstance(node, Apply):
+        return [Apply(node.label, x, node.fn) for x in distribute_variants(node.x)]
+    if isinstance(node, Aggregate):
+        return [Aggregate(node.prim, x) for x in distribute_variants(node.x)]
+    raise TypeError(f"unknown IR node {node!r}")
+
+
+def _product_variants(options):
+    import itertools
+    return [list(c) for c in itertools.product(*options)]

@@ -1,7 +1,370 @@
-"""Learned per-primitive cost models (XGBoost), loaded for this machine."""
+"""Learned per-(primitive, implementation) cost models (XGBoost), trained on this machine.
+
+One gradient-boosted tree ensemble per (primitive, implementation) predicts the natural log of the
+seconds of one forward call:
+
+    log t = log b(prim, sizes, graph) + f(features)
+
+``b`` is a roofline baseline (``baseline_seconds``: flops and bytes at fixed nominal rates plus a
+call overhead) passed to XGBoost as the base margin, and the trees ``f`` learn the correction: the
+achieved efficiency as a function of the graph's structure and the sizes. Trees are constant
+outside the range they were trained on; with the baseline as margin a graph or size larger than
+any profiled one still scales with its work instead of saturating.
+
+Features (``model_features``): for the sparse primitives ``featurize(gi, sizes)`` with the sizes of
+``MODEL_SIZES`` (``k`` for the SpMMs, ``heads`` for edge scores and softmax, none for
+``sddmm_scale``); the dense primitives do not depend on the graph and see only their sizes
+(``dense_features``: each size, pairwise and full products, their log2).
+
+Models live in ``costmodels/<fingerprint id>/`` (``granii.fingerprint``) as one XGBoost JSON file
+per model and a ``manifest.json``; ``load`` refuses a folder made for another machine, feature set
+or damaged file, with the command that fixes it. ``default_cost_model`` returns this machine's
+models, or the analytical model (with one warning) when there are none.
+"""
+import itertools
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+
 from .costmodel import AnalyticalCost
+from .featurize import feature_names, featurize
+from .fingerprint import differences, fingerprint_id, machine_fingerprint
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = ROOT / "costmodels"
+FIX = "bash scripts/init.sh (or the console command granii-init; add --quick for a short run)"
+MANIFEST = "manifest.json"
+FORMAT = 1
+BASELINE = "roofline-v1"
+
+# primitive -> ("dense" or "graph", size names the model reads from ``dims``)
+MODEL_SIZES = {
+    "gemm": ("dense", ("m", "k", "n")),
+    "row_scale": ("dense", ("n", "k")),
+    "spmm": ("graph", ("k",)),
+    "spmm_weighted": ("graph", ("k",)),
+    "spmm_mean": ("graph", ("k",)),
+    "spmm_max": ("graph", ("k",)),
+    "sddmm_scale": ("graph", ()),
+    "sddmm_add": ("graph", ("heads",)),
+    "edge_softmax": ("graph", ("heads",)),
+}
+SIZE_DEFAULTS = {"heads": 1}
+
+# nominal rates of the baseline (only its shape matters: the trees learn the scale)
+_FLOPS, _STREAM, _GATHER, _CALL = 40e9, 8e9, 3e9, 5e-6
 
 
-def default_cost_model():
-    """The learned models of this machine if installed, else the analytical model."""
+class CostModelError(ValueError):
+    """A cost-model folder that cannot be used on this machine, with the reason and the fix."""
+
+
+class CostModelWarning(UserWarning):
+    pass
+
+
+# -- features and baseline (shared by training and prediction) --------------------------------------
+def model_sizes(prim, dims):
+    """``{size name: value}`` the model of ``prim`` reads from a call's ``dims``."""
+    _, names = MODEL_SIZES[prim]
+    return {s: dims[s] if s in dims else SIZE_DEFAULTS[s] for s in names}
+
+
+def dense_feature_names(size_names):
+    """Names of ``dense_features`` for sizes ``size_names`` (in the given order)."""
+    names = [x for s in size_names for x in (s, f"log2_{s}")]
+    for a, b in itertools.combinations(size_names, 2):
+        names += [f"{a}*{b}", f"log2_{a}*{b}"]
+    if len(size_names) > 2:
+        names += ["*".join(size_names), "log2_" + "*".join(size_names)]
+    return names + ["log2_pair_sum"]
+
+
+def dense_features(sizes):
+    """Sizes, their pairwise products and (for three) the full product, with log2; last
+    ``log2(sum of pairwise products)``: the elements the operands and result hold (GEMM)."""
+    vals = [float(v) for v in sizes.values()]
+    row = [x for v in vals for x in (v, math.log2(max(v, 1.0)))]
+    pairs = [a * b for a, b in itertools.combinations(vals, 2)]
+    for p in pairs:
+        row += [p, math.log2(max(p, 1.0))]
+    if len(vals) > 2:
+        p = math.prod(vals)
+        row += [p, math.log2(max(p, 1.0))]
+    row.append(math.log2(max(sum(pairs), 1.0)))
+    return np.array(row, dtype=np.float64)
+
+
+def model_feature_names(prim):
+    """Column names of the features of ``prim``'s model, as ``model_features`` builds them."""
+    kind, names = MODEL_SIZES[prim]
+    return dense_feature_names(names) if kind == "dense" else feature_names(names)
+
+
+def model_features(prim, gi, dims):
+    """Feature row of one call: ``dense_features`` or ``featurize(gi, sizes)``."""
+    kind, _ = MODEL_SIZES[prim]
+    sizes = model_sizes(prim, dims)
+    return dense_features(sizes) if kind == "dense" else featurize(gi, sizes)
+
+
+def baseline_seconds(prim, dims, num_src=0, num_dst=0, num_edges=0):
+    """Roofline seconds of one call: ``flops / 40e9 + streamed bytes / 8e9 + gathered bytes / 3e9
+    + 5 us``. Sparse kernels gather one ``k``-row of ``X`` (or ``heads`` scores) per edge."""
+    s = model_sizes(prim, dims) if prim in MODEL_SIZES else dict(dims)
+    e, f = float(num_edges), 4.0
+    if prim == "gemm":
+        m, k, n = s["m"], s["k"], s["n"]
+        t = 2.0 * m * k * n / _FLOPS + f * (m * k + k * n + m * n) / _STREAM
+    elif prim == "row_scale":
+        t = 2 * f * s["n"] * s["k"] / _STREAM
+    elif prim.startswith("spmm"):
+        k = s["k"]
+        t = f * e * k / _GATHER + f * num_dst * k / _STREAM + 8 * e / _STREAM
+    elif prim == "sddmm_scale":
+        t = 3 * f * e / _GATHER + f * (num_src + num_dst) / _STREAM
+    elif prim == "sddmm_add":
+        h = s["heads"]
+        t = 2 * f * e * h / _GATHER + f * e * h / _STREAM + 8 * e / _STREAM
+    elif prim == "edge_softmax":
+        h = s["heads"]
+        t = 2 * f * e * h / _GATHER + 4 * f * e * h / _STREAM + f * num_dst * h / _STREAM
+    else:
+        t = f * max(float(s.get("n", 1)), 1.0) / _STREAM
+    return t + _CALL
+
+
+def model_inputs(prim, gi, dims):
+    """``(feature row, base margin = log baseline seconds)`` of one call on graph ``gi``
+    (``None`` for the dense primitives)."""
+    if MODEL_SIZES[prim][0] == "dense":
+        b = baseline_seconds(prim, dims)
+    else:
+        b = baseline_seconds(prim, dims, gi.num_src, gi.num_dst, gi.num_edges)
+    return model_features(prim, gi, dims), math.log(b)
+
+
+def model_file(prim, impl):
+    return f"{prim}__{impl}.json"
+
+
+# -- tree ensembles --------------------------------------------------------------------------------
+class Trees:
+    """An XGBoost regression tree ensemble evaluated with numpy, from its JSON model.
+
+    Node ``i`` of a tree sends a row left when ``x[split_indices[i]] < split_conditions[i]``
+    (compared in float32, as XGBoost does; a missing value goes by ``default_left``); a leaf
+    (``left_children[i] == -1``) holds its value in ``split_conditions[i]``. The prediction is the
+    base margin plus the sum of the leaves reached. All trees advance one level per step, so a row
+    costs ``depth`` vectorised steps: tens of microseconds, no threads, deterministic.
+    """
+
+    def __init__(self, model):
+        learner = model["learner"]
+        booster = learner["gradient_booster"]
+        if booster.get("name") != "gbtree":
+            raise ValueError(f"booster {booster.get('name')!r} is not gbtree")
+        trees = booster["model"]["trees"]
+        self.num_features = int(learner["learner_model_param"]["num_feature"])
+        width = max((len(t["left_children"]) for t in trees), default=1)
+        shape = (max(len(trees), 1), width)
+        self.left = np.full(shape, -1, dtype=np.int64)
+        self.right = np.full(shape, -1, dtype=np.int64)
+        self.feature = np.zeros(shape, dtype=np.int64)
+        self.cond = np.zeros(shape, dtype=np.float32)
+        self.default_left = np.zeros(shape, dtype=bool)
+        for i, t in enumerate(trees):
+            n = len(t["left_children"])
+            if any(t.get("split_type", [0])) or t.get("categories"):
+                raise ValueError("categorical splits are not supported")
+            self.left[i, :n] = t["left_children"]
+            self.right[i, :n] = t["right_children"]
+            self.feature[i, :n] = t["split_indices"]
+            self.cond[i, :n] = t["split_conditions"]
+            self.default_left[i, :n] = np.asarray(t["default_left"], dtype=bool)
+        if len(trees) == 0:
+            self.cond[0, 0] = 0.0
+        if self.feature.max(initial=0) >= max(self.num_features, 1):
+            raise ValueError("a split reads a feature beyond num_feature")
+        self.depth = self._depth()
+        self.rows = np.arange(shape[0])[None, :]
+
+    def _depth(self):
+        """Levels of the deepest tree: all trees' nodes, one level at a time from the roots."""
+        tree = np.arange(self.left.shape[0])
+        node = np.zeros_like(tree)
+        for depth in range(self.left.shape[1] + 1):
+            inner = self.left[tree, node] >= 0
+            if not inner.any():
+                return depth
+            tree, node = tree[inner], node[inner]
+            tree = np.concatenate([tree, tree])
+            node = np.concatenate([self.left[tree[: len(node)], node],
+                                   self.right[tree[: len(node)], node]])
+        raise ValueError("a tree has a cycle")
+
+    def predict(self, X, margin):
+        """``margin + sum of leaves`` for each row of ``X`` (shape ``(rows, num_features)``)."""
+        X = np.asarray(X, dtype=np.float32)
+        if X.ndim != 2 or X.shape[1] != self.num_features:
+            raise ValueError(f"expected {self.num_features} features, got {X.shape}")
+        node = np.zeros((X.shape[0], self.left.shape[0]), dtype=np.int64)
+        r = np.arange(X.shape[0])[:, None]
+        for _ in range(self.depth):
+            left, right = self.left[self.rows, node], self.right[self.rows, node]
+            value = X[r, self.feature[self.rows, node]]
+            go_left = np.where(np.isnan(value), self.default_left[self.rows, node],
+                               value < self.cond[self.rows, node])
+            node = np.where(left < 0, node, np.where(go_left, left, right))
+        leaves = self.cond[self.rows, node].astype(np.float64)
+        return np.asarray(margin, dtype=np.float64) + leaves.sum(axis=1)
+
+
+# -- the cost model ---------------------------------------------------------------------------------
+_TOKENS = itertools.count()
+
+
+class LearnedCost:
+    """``predict(prim, impl, gi, dims)``: seconds of one forward call by the learned model of
+    ``(prim, impl)``, or by ``fallback`` (the analytical model) for a pair without a model.
+
+    Graph features are cached in ``gi.cache`` by ``featurize``; each prediction is cached there too,
+    under this instance, the primitive, the implementation and ``dims``.
+    """
+
+    def __init__(self, boosters, manifest, path=None, fallback=None):
+        self.boosters = boosters                 # {(prim, impl): Trees}
+        self.manifest = manifest
+        self.path = path
+        self.fallback = fallback or AnalyticalCost()
+        self.name = f"learned ({manifest.get('fingerprint_id', '?')})"
+        self._token = ("learned_cost", next(_TOKENS))
+
+    def has_model(self, prim, impl):
+        return (prim, impl) in self.boosters
+
+    def predict(self, prim, impl, gi, dims):
+        booster = self.boosters.get((prim, impl))
+        if booster is None:
+            return self.fallback.predict(prim, impl, gi, dims)
+        key = (self._token, prim, impl, tuple(sorted(dims.items())))
+        cache = getattr(gi, "cache", None)
+        if cache is not None and key in cache:
+            return cache[key]
+        t = float(self.predict_many(prim, impl, gi, [dims])[0])
+        if cache is not None:
+            cache[key] = t
+        return t
+
+    def predict_many(self, prim, impl, gi, dims_list):
+        """Seconds for several ``dims`` on one graph, in one batch (``gi`` may differ per row if
+        a list of graphs is given)."""
+        trees = self.boosters[(prim, impl)]
+        gis = gi if isinstance(gi, (list, tuple)) else [gi] * len(dims_list)
+        rows, margins = zip(*(model_inputs(prim, g, d) for g, d in zip(gis, dims_list)))
+        return np.exp(trees.predict(np.vstack(rows), np.array(margins)))
+
+
+def _read_manifest(path):
+    mpath = path / MANIFEST
+    if not path.is_dir():
+        raise CostModelError(f"granii: no cost-model folder {path}: run {FIX}")
+    if not mpath.is_file():
+        raise CostModelError(f"granii: {path} holds no {MANIFEST} (an interrupted or partial "
+                             f"install): run {FIX}")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CostModelError(f"granii: {mpath} is not readable JSON ({e}): re-run {FIX}") from None
+    missing = [k for k in ("format", "fingerprint", "fingerprint_id", "models")
+               if not isinstance(manifest, dict) or k not in manifest]
+    if missing:
+        raise CostModelError(f"granii: {mpath} lacks {', '.join(missing)}: re-run {FIX}")
+    if manifest["format"] != FORMAT:
+        raise CostModelError(f"granii: {mpath} has format {manifest['format']}, this granii reads "
+                             f"format {FORMAT}: re-run {FIX}")
+    return manifest
+
+
+def load(path, fingerprint=None):
+    """The ``LearnedCost`` of the model folder ``path``, after checking it fits this machine.
+
+    Refuses (``CostModelError``, naming the fix) a folder without a readable manifest, one made on
+    another machine or setup (``fingerprint``: the expected one, by default this machine's at the
+    current torch thread count), one trained for another feature set, and damaged model files.
+    """
+    import xgboost as xgb
+    path = Path(path)
+    manifest = _read_manifest(path)
+    here = fingerprint if fingerprint is not None else machine_fingerprint()
+    diff = differences(here, manifest["fingerprint"])
+    if diff:
+        raise CostModelError(
+            f"granii: the cost models in {path} were made for another machine or setup "
+            f"({'; '.join(diff)}): run {FIX} to profile this one")
+    boosters = {}
+    for key, entry in manifest["models"].items():
+        prim, _, impl = key.partition("/")
+        if prim not in MODEL_SIZES:
+            continue
+        want = model_feature_names(prim)
+        if entry.get("features") != want or entry.get("baseline", BASELINE) != BASELINE:
+            raise CostModelError(
+                f"granii: the {key} model in {path} was trained for another feature set "
+                f"({len(entry.get('features') or [])} features, {len(want)} now): re-run {FIX}")
+        fpath = path / entry.get("file", model_file(prim, impl))
+        try:
+            xgb.Booster().load_model(str(fpath))
+            trees = Trees(json.loads(fpath.read_text()))
+            n_feat = trees.num_features
+        except (xgb.core.XGBoostError, OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CostModelError(
+                f"granii: cost-model file {fpath} is missing or damaged ({first[:200]}): "
+                f"re-run {FIX}") from None
+        if n_feat != len(want):
+            raise CostModelError(f"granii: cost-model file {fpath} expects {n_feat} features, "
+                                 f"its manifest {len(want)}: re-run {FIX}")
+        boosters[(prim, impl)] = trees
+    return LearnedCost(boosters, manifest, path)
+
+
+_LOADED = {}
+_WARNED = set()
+
+
+def models_dir():
+    """Where models are looked up: ``$GRANII_COSTMODELS`` if set, else ``costmodels/``."""
+    return Path(os.environ.get("GRANII_COSTMODELS", DEFAULT_DIR))
+
+
+def default_cost_model(root=None):
+    """The learned models of this machine from ``root/<fingerprint id>/``, else the analytical
+    model, with a warning (once per reason) naming the command that installs them."""
+    root = Path(root) if root is not None else models_dir()
+    fp = machine_fingerprint()
+    fid = fingerprint_id(fp)
+    key = (str(root.resolve()), fid)
+    if key in _LOADED:
+        return _LOADED[key]
+    path = root / fid
+    try:
+        model = _LOADED[key] = load(path, fp)
+        return model
+    except CostModelError as e:
+        if (path / MANIFEST).exists():
+            msg = f"{e}. Using the analytical cost model meanwhile."
+        else:
+            others = sorted(p.parent.name for p in root.glob(f"*/{MANIFEST}"))
+            note = f" (it holds models for other setups: {', '.join(others)})" if others else ""
+            msg = (f"granii: no learned cost models for this machine ({fp['cpu_model']}, "
+                   f"{fp['threads']} threads, torch {fp['torch']}; id {fid}) in {root}{note}; "
+                   f"using the analytical cost model. Run {FIX} to profile this machine.")
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg, CostModelWarning, stacklevel=2)
     return AnalyticalCost()

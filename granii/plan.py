@@ -54,7 +54,7 @@ class Plan:
         return " -> ".join(s.prim for s in self.steps if s.prim not in ("add", "apply"))
 
     def trees(self):
-        return "; ".join(str(t) for t in self.choice.values())
+        return "; ".join(str(t) for t in dict.fromkeys(self.choice.values()))
 
 
 def _ident(text):
@@ -72,15 +72,16 @@ def leaf_var(leaf):
 
 def _when(leaf_set):
     sources = {l.source[0] for l in leaf_set}
-    if sources <= {"graph", "degree"}:
+    if sources <= {"graph", "degree", "select"}:
         return GRAPH
-    if any(l.sub == ir.WEIGHT for l in leaf_set):
+    if sources & {"param", "scalar", "attr"} or any(l.sub == ir.WEIGHT for l in leaf_set):
         return EVERY
     return INPUT
 
 
-def lower(index, choice, scenarios, root):
-    """The plan of one promoted tree ``choice`` of the layer IR ``root``."""
+def lower(index, root, choice, scenarios=()):
+    """The plan of one layer tree: IR variant ``root`` with association tree ``choice[p]`` for
+    each of its products ``p``."""
     plan = Plan(index, choice, scenarios, [], {}, out="")
     names = {}
 
@@ -88,7 +89,7 @@ def lower(index, choice, scenarios, root):
         if n in names:
             return names[n]
         if isinstance(n, ir.Leaf):
-            if n.source == ("graph",):
+            if n.source == ("graph",) or n.sub == ir.SELECTION:
                 names[n] = None
                 return None
             var = leaf_var(n)
@@ -96,17 +97,25 @@ def lower(index, choice, scenarios, root):
             names[n] = var
             return var
         if isinstance(n, ir.MatMul):
-            return value(choice[n])
+            names[n] = value(choice[n])
+            return names[n]
         if isinstance(n, Node):
             return node_step(n)
         if isinstance(n, ir.Add):
             a, b = value(n.a), value(n.b)
-            return emit(n, "add", (a, b), EVERY, str(n))
+            lv = ir_leaves(n)
+            sig = None if n.b.rows == "1" else ("add", False, (n.rows, n.cols))
+            return emit(n, "add", (a, b), _when(lv), str(n), sig, _inputs(lv))
         if isinstance(n, ir.Apply):
             x = value(n.x)
             var = emit(n, "apply", (x,), EVERY, str(n))
             plan.applies["f_" + var] = n.fn
             return var
+        if isinstance(n, ir.Aggregate):
+            x = value(n.x)
+            lv = ir_leaves(n)
+            return emit(n, n.prim, (x,), _when(lv), str(n), (n.prim, False, ("E", n.cols)),
+                        _inputs(lv))
         raise TypeError(f"cannot lower {n!r}")
 
     def node_step(n):
@@ -120,14 +129,13 @@ def lower(index, choice, scenarios, root):
             d_src = parts.pop() if parts[-1].sub == ir.DIAGONAL else None
             (adj,) = parts
             args = (names.get(d_dst), edge_values(adj), names.get(d_src))
-        elif n.prim == "spmm":
+        elif n.prim in ("spmm", "row_slice"):
             args = (names[n.parts[1]],)
         elif n.prim == "spmm_weighted":
             args = (edge_values(n.parts[0]), names[n.parts[1]])
         else:
             args = (names[n.parts[0]], names[n.parts[1]])
-        inputs = tuple(sorted({leaf_var(l) for l in lv if l.source[0] in ("arg", "edge")}))
-        return emit(n, n.prim, args, when, str(n), signature(n), inputs)
+        return emit(n, n.prim, args, when, str(n), signature(n), _inputs(lv))
 
     def edge_values(adj):
         """The edge-value argument of a sparse operand: ``None`` for ``A``, else a variable."""
@@ -145,10 +153,15 @@ def lower(index, choice, scenarios, root):
     return plan
 
 
+def _inputs(leaf_set):
+    return tuple(sorted({leaf_var(l) for l in leaf_set if l.source[0] in ("arg", "edge")}))
+
+
 def ir_leaves(n):
     if isinstance(n, ir.Leaf):
         return {n}
-    return set().union(*(ir_leaves(p) for p in n.parts))
+    parts = n.parts if isinstance(n, Node) else ir.children(n)
+    return set().union(*(ir_leaves(p) for p in parts))
 
 
 def _call(step, impl):
@@ -197,6 +210,8 @@ def plan_code(plan, impls, name="plan"):
 
 
 def _expr(step, impl):
+    if step.prim == "row_slice":
+        return f"{step.args[0]}[:gi.num_dst]"
     if step.prim == "add":
         return f"{step.args[0]} + {step.args[1]}"
     if step.prim == "apply":
@@ -251,6 +266,11 @@ def step_impls(step):
     if step.prim in kernels.REGISTRY:
         return kernels.implementations(step.prim)
     return ("torch",) if step.prim == "diag_mul" else ("inline",)
+
+
+def signatures(plan):
+    """The priced calls of a plan: ``(primitive, once_per_graph, symbolic sizes)`` per step."""
+    return [s.sig for s in plan.steps if s.sig is not None]
 
 
 # -- runtime helpers the generated code calls ------------------------------------------------------

@@ -10,12 +10,11 @@ Two embedding-size scenarios are considered, ``k_in >= k_out`` and ``k_in < k_ou
 scenario when another tree ``S`` *dominates* it: every call of ``S`` matches a distinct call of
 ``T`` of the same primitive on operands no larger. That covers both rules of the paper: a superset
 of another tree's primitives (``T`` has extra calls), and the same primitives on larger matrices.
-Two trees that dominate each other are duplicates and the first is kept. A tree pruned in both
+Two trees that dominate each other are duplicates: the one with fewer calls (then the first) is kept. A tree pruned in both
 scenarios is dropped; the others are promoted, annotated with the scenarios they survive.
 """
 import itertools
 
-from .enumerate import steps
 
 GE, LT = ">=", "<"          # k_in >= k_out, k_in < k_out
 SCENARIOS = (GE, LT)
@@ -24,28 +23,19 @@ _ORDER = {GE: {("k_out", "k_in"), ("N_dst", "N_src")},
 
 
 def signature(node):
-    """``(primitive, once_per_graph, sizes)`` of one primitive call."""
+    """``(primitive, once_per_graph, sizes)`` of one primitive call of an association tree."""
     if node.prim == "gemm":
         left = node.parts[0]
         dims = (left.rows, left.cols, node.cols)
     elif node.prim in ("spmm", "spmm_weighted"):
         dims = ("E", node.cols)
-    elif node.prim == "row_scale":
+    elif node.prim in ("row_scale", "row_slice"):
         dims = (node.rows, node.cols)
     elif node.prim == "sddmm_scale":
         dims = ("E",)
     else:
         dims = (node.rows,)
     return node.prim, node.graph_only, dims
-
-
-def tree_signatures(choice):
-    """Signatures of every call of one layer tree (a ``{product: tree}`` dict), sub-results once."""
-    seen = {}
-    for tree in choice.values():
-        for s in steps(tree):
-            seen.setdefault(s, None)
-    return [signature(s) for s in seen]
 
 
 def size_le(a, b, scenario):
@@ -61,7 +51,12 @@ def dims_le(a, b, scenario):
 
 
 def covered_by(small, big, scenario):
-    """Each call of ``small`` matches a distinct call of ``big``, same primitive, no larger."""
+    """Each call of ``small`` matches a distinct call of ``big``, same primitive, no larger.
+
+    Once-per-graph calls on vectors (sizes without an embedding width: degree products, edge
+    scaling) are amortised to nothing and need no match.
+    """
+    small = [s for s in small if not (s[1] and not any(d.startswith("k") for d in s[2]))]
     if len(small) > len(big):
         return False
 
@@ -85,7 +80,7 @@ def survivors(sigs, scenario):
         for j, s in enumerate(sigs):
             if i == j or not covered_by(s, t, scenario):
                 continue
-            if not covered_by(t, s, scenario) or j < i:
+            if not covered_by(t, s, scenario) or (len(s), j) < (len(t), i):
                 dominated = True
                 break
         if not dominated:
@@ -93,13 +88,13 @@ def survivors(sigs, scenario):
     return keep
 
 
-def prune(forest):
-    """``[(choice, scenarios)]``: the promoted trees of ``forest`` with the scenarios they survive."""
-    sigs = [tree_signatures(c) for c in forest]
+def prune(plans):
+    """The promoted plans, each with ``scenarios`` set to those it survives; the rest dropped."""
+    sigs = [[st.sig for st in p.steps if st.sig is not None] for p in plans]
     alive = {s: set(survivors(sigs, s)) for s in SCENARIOS}
     promoted = []
-    for i, choice in enumerate(forest):
-        scen = tuple(s for s in SCENARIOS if i in alive[s])
-        if scen:
-            promoted.append((choice, scen))
+    for i, plan in enumerate(plans):
+        plan.scenarios = tuple(s for s in SCENARIOS if i in alive[s])
+        if plan.scenarios:
+            promoted.append(plan)
     return promoted

@@ -27,7 +27,7 @@ class LayerIR:
     source: str                  # the forward() source that was parsed
 
 
-def lower_layer(module, present=frozenset(), is_block=False):
+def lower_layer(module, present=frozenset(), is_block=False, real=None):
     func_def, globals_, src = forward_ast(type(module))
     params = [a.arg for a in func_def.args.args][1:]
     if len(params) < 2:
@@ -44,7 +44,7 @@ def lower_layer(module, present=frozenset(), is_block=False):
             bound[name] = Tensor(ir.Leaf(name, None, None, ir.DENSE, ir.WEIGHT, ("arg", name)))
         else:
             bound[name] = None
-    interp = Interpreter(module, func_def, globals_, src, is_block)
+    interp = Interpreter(module, func_def, globals_, src, is_block, real)
     out = interp.run(bound)
     if not isinstance(out, Tensor):
         raise FrontendError("return value", f"forward returns {type(out).__name__}, not a tensor")

@@ -20,7 +20,7 @@ import torch
 from .. import ir
 from . import rules
 from .values import (Degrees, Edges, Frame, FrontendError, Graph, GraphCondition, LocalScope,
-                     Method, RaisesForConfig, Shape, Tensor)
+                     Method, RaisesForConfig, Scalar, Shape, Tensor)
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.Pow: operator.pow, ast.MatMult: operator.matmul,
@@ -28,7 +28,7 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
            ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
-_SYMBOLIC = (Tensor, Edges, Degrees, Graph, Frame, Shape, GraphCondition, Method)
+_SYMBOLIC = (Tensor, Edges, Degrees, Graph, Frame, Shape, GraphCondition, Method, Scalar)
 
 
 class PythonFunction:
@@ -54,15 +54,18 @@ def forward_ast(cls):
 class Interpreter:
     """Evaluates one ``forward`` for one module and one set of present/absent arguments."""
 
-    def __init__(self, module, func_def, globals_, src, is_block=False):
+    def __init__(self, module, func_def, globals_, src, is_block=False, real=None):
         self.module = module
+        self.real = real or {}    # the call's actual arguments: decides graph-dependent branches
         # on a graph sources and destinations are the same nodes: one symbol, N
         self.n_src, self.n_dst = ("N_src", "N_dst") if is_block else ("N", "N")
         self.globals = globals_
         self.src = src
         self.func = func_def
         self.env = {}
-        self.guards = []          # (source text, names it reads)
+        self.guards = []          # (source text, names it reads): checks that raise
+        self.spec = []            # (condition text, names, value): branches taken for this input
+        self.effects = []         # (module attribute, IR node): values forward() stores on self
         self.leaves = {}
 
     # -- entry -------------------------------------------------------------------------------
@@ -119,6 +122,10 @@ class Interpreter:
                 self.fail(target, "tuple unpacking", "of a value that is not a known tuple")
             for t, v in zip(target.elts, items):
                 self.assign(t, v)
+        elif isinstance(target, ast.Attribute) and self.eval(target.value) is self.module:
+            if not isinstance(value, Tensor):
+                self.fail(target, f"assignment to self.{target.attr}", "of a non-tensor value")
+            self.effects.append((target.attr, value.node))
         elif isinstance(target, ast.Subscript):
             obj = self.eval(target.value)
             key = self.eval(target.slice)
@@ -135,9 +142,24 @@ class Interpreter:
             if all(isinstance(b, ast.Raise) for b in s.body) and not s.orelse:
                 self.add_guard(s)
                 return
-            self.fail(s, "branch on the graph or on tensor values", "only a check that raises "
-                      "is supported; the plan would depend on the input data")
+            cond = self.specialize(s.test)
         self.exec_block(s.body if self.truth(cond, s) else s.orelse)
+
+    def specialize(self, test):
+        """Decide a branch on the graph or tensors with this call's values, and remember it: the
+        plan is only reused for inputs where the condition has the same value."""
+        text = ast.unparse(test)
+        names = sorted({n.id for n in ast.walk(test) if isinstance(n, ast.Name)})
+        if not self.real:
+            self.fail(test, f"branch on '{text}'", "depends on the input and no input was given")
+        ns = dict(self.globals)
+        ns.update(self.real)
+        try:
+            value = bool(eval(compile(ast.Expression(test), "<condition>", "eval"), ns))
+        except Exception as e:  # noqa: BLE001 - reported as the construct that stopped us
+            self.fail(test, f"branch on '{text}'", f"could not evaluate it on this input ({e})")
+        self.spec.append((text, names, value))
+        return value
 
     def stmt_Assert(self, s):
         cond = self.eval(s.test)

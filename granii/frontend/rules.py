@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import ir
 from .values import (Degrees, Edges, Frame, FrontendError, Graph, GraphCondition, LocalScope,
-                     Method, RaisesForConfig, Shape, Tensor)
+                     Method, RaisesForConfig, Scalar, Shape, Tensor)
 
 _U, _V, _E = 0, 1, 2
 _GRAPH_SCALARS = {"num_edges", "num_nodes", "number_of_edges", "number_of_nodes",
@@ -33,9 +33,16 @@ def fail(node, construct, reason):
 
 # -- attributes ----------------------------------------------------------------------------------
 def module_attr(it, attr):
+    """``self.<attr>``: configuration values as they are; tensors (parameters, buffers, cached
+    values) as symbolic leaves read at run time, one-element ones as scalars."""
     value = getattr(it.module, attr)
-    if isinstance(value, nn.Parameter):
-        return Tensor(param_leaf(it, attr, value), value.dim())
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and value.dim() <= 1:
+            return Scalar(attr)
+        if isinstance(value, nn.Parameter):
+            return Tensor(param_leaf(it, attr, value), value.dim())
+        leaf = it.leaf(attr, None, None, ir.DENSE, ir.DATA, ("attr", attr))
+        return Tensor(leaf, value.dim())
     return value
 
 
@@ -46,6 +53,8 @@ def param_leaf(it, attr, value, transposed=False):
 
 
 def symbolic_attr(it, obj, attr, node):
+    if isinstance(obj, Frame):
+        return Method(obj, attr)
     if isinstance(obj, Graph):
         if attr in ("srcdata", "dstdata", "edata", "ndata"):
             which = {"srcdata": "src", "dstdata": "dst", "edata": "edge", "ndata": "node"}[attr]
@@ -63,20 +72,29 @@ def symbolic_attr(it, obj, attr, node):
 def symbolic_index(it, obj, key, node):
     if isinstance(obj, Shape):
         return GraphCondition("size")
-    if isinstance(obj, Tensor) and isinstance(key, slice) and key.start is None:
-        return obj
+    if (isinstance(obj, Tensor) and isinstance(key, slice) and key.start is None
+            and key.step is None and isinstance(key.stop, GraphCondition)
+            and key.stop.text in ("number_of_dst_nodes", "num_dst_nodes")):
+        if it.n_src == it.n_dst:
+            return obj
+        sel = it.leaf("S_dst", it.n_dst, it.n_src, ir.SPARSE, ir.SELECTION, ("select",))
+        return Tensor(ir.matmul(sel, obj.node), obj.ndim)
     fail(node, "indexing of a tensor", "row slices and gathers are not lowered")
 
 
 # -- graph frames ----------------------------------------------------------------------------------
 def frame_set(frame, key, value, it):
     frames = frame.graph.frames
+    if isinstance(value, dict):
+        for k, v in value.items():
+            frame_set(frame, k, v, it)
+        return
     if frame.which == "edge" and isinstance(value, Tensor) and _is_arg(value.node):
         value = Edges(arg=value.node.source[1])
     if frame.which == "node":
         if frame.graph.is_block:
             fail(None, "graph.ndata on a block", "use srcdata/dstdata")
-        frames["src"][key] = frames["dst"][key] = value
+        frames["src"][key] = value
     else:
         frames[frame.which][key] = value
 
@@ -121,8 +139,10 @@ def update_all(it, graph, msg, red, node):
         out = ir.matmul(adj, x.node)
     elif red.name == "mean":
         out = ir.matmul(Degrees("in", -1.0, 1.0).leaf(it.n_dst), adj, x.node)
+    elif red.name in ("max", "min") and msg.name == "copy_u":
+        out = ir.Aggregate(f"spmm_{red.name}", x.node)
     else:
-        fail(node, f"reduce function fn.{red.name}", "not lowered yet")
+        fail(node, f"reduce function fn.{red.name} with fn.{msg.name}", "not lowered yet")
     graph.frames["dst"][red.out_field] = Tensor(out, 2)
 
 
@@ -172,6 +192,8 @@ def binop(it, op, a, b, node):
         return degree_arith(it, op, a, b, node)
     if isinstance(a, Shape) and isinstance(b, tuple) and op == "Add":
         return Shape(a.ndim + len(b))
+    if isinstance(a, Scalar) or isinstance(b, Scalar):
+        return scalar_arith(it, op, a, b, node)
     if isinstance(a, GraphCondition) or isinstance(b, GraphCondition):
         return GraphCondition("expression")
     if op == "Add" and isinstance(a, Tensor) and isinstance(b, Tensor):
@@ -185,6 +207,22 @@ def binop(it, op, a, b, node):
     if op == "Mult" and isinstance(b, Tensor) and isinstance(a, (int, float)):
         return scale(it, b, float(a), node)
     fail(node, f"operator {op} on {type(a).__name__} and {type(b).__name__}", "not lowered")
+
+
+def scalar_arith(it, op, a, b, node):
+    """``c + s``, ``c * s`` of a number and a scalar; ``s * X`` is the product ``(s I) X``."""
+    num = (int, float)
+    if op == "Add" and isinstance(a, num):
+        return dataclasses.replace(b, offset=b.offset + a * 1.0)
+    if op == "Add" and isinstance(b, num):
+        return dataclasses.replace(a, offset=a.offset + b * 1.0)
+    if op == "Mult" and isinstance(a, Scalar) and isinstance(b, Tensor):
+        a, b = b, a
+    if op == "Mult" and isinstance(a, Tensor) and isinstance(b, Scalar):
+        if a.ndim != 2:
+            fail(node, "scalar times a tensor of more than 2 dimensions", "not lowered yet")
+        return Tensor(ir.matmul(b.leaf(a.node.rows), a.node), a.ndim)
+    fail(node, f"operator {op} on a scalar parameter and {type(b).__name__}", "not lowered")
 
 
 def degree_arith(it, op, a, b, node):
@@ -229,6 +267,11 @@ def call_method(it, m, args, kwargs, node):
             return GraphCondition("size")
     if isinstance(obj, Edges) and name in _SAME_VALUE_METHODS:
         return obj
+    if isinstance(obj, Frame):
+        if name == "pop" or name == "__getitem__":
+            return frame_get(obj, args[0], it, node)
+        if name == "update":
+            return frame_set(obj, None, args[0], it)
     fail(node, f".{name}() on {type(obj).__name__}", "not lowered")
 
 
@@ -249,9 +292,19 @@ def degree_method(d, name, args, kwargs, node):
 
 def call_function(it, func, args, kwargs, node):
     symbolic = [a for a in list(args) + list(kwargs.values())
-                if isinstance(a, (Tensor, Degrees, Edges, Graph, Shape, GraphCondition))]
+                if isinstance(a, (Tensor, Degrees, Edges, Graph, Shape, GraphCondition, Scalar))]
     if not symbolic:
         return func(*args, **kwargs)
+    if func is isinstance and len(args) == 2:
+        return isinstance(args[0], Tensor) and issubclass(torch.Tensor, args[1])
+    if isinstance(func, nn.Module) and any(isinstance(a, Graph) for a in args):
+        fail(node, f"call of {type(func).__name__} with the graph", "a nested graph module is "
+             "not lowered inside a layer")
+    if isinstance(func, nn.Sequential) and len(args) == 1 and isinstance(args[0], Tensor):
+        x = args[0]
+        for sub in func:
+            x = call_function(it, sub, [x], {}, node)
+        return x
     name = getattr(func, "__name__", type(func).__name__)
     modname = getattr(func, "__module__", "") or ""
     if func in (torch.matmul, torch.mm):
@@ -267,7 +320,7 @@ def call_function(it, func, args, kwargs, node):
     if isinstance(func, nn.Identity):
         return args[0]
     if callable(func) and len(args) == 1 and isinstance(args[0], Tensor) and not kwargs:
-        label = type(func).__name__ if isinstance(func, nn.Module) else name
+        label = _module_label(it, func) if isinstance(func, nn.Module) else name
         return Tensor(ir.Apply(label, args[0].node, func), args[0].ndim)
     if isinstance(args[0], GraphCondition):
         return GraphCondition(name)
@@ -295,6 +348,13 @@ def linear(it, mod, x, node):
                     ("param", attr + ".bias"))
         out = Tensor(ir.Add(out.node, b), 2)
     return out
+
+
+def _module_label(it, mod):
+    for name, m in it.module.named_modules():
+        if m is mod and name:
+            return f"{name}:{type(mod).__name__}"
+    return type(mod).__name__
 
 
 def _attr_name(module, sub):

@@ -53,6 +53,21 @@ class Degrees:
 
 
 @dataclass
+class Scalar:
+    """``offset + factor * self.<attr>`` for a one-element parameter or buffer (GIN's eps)."""
+    attr: str
+    offset: float = 0.0
+    factor: float = 1.0
+
+    def leaf(self, rows):
+        text = f"{self.offset:g}+{self.attr}" if self.offset else self.attr
+        if self.factor != 1:
+            text = f"{self.factor:g}*({text})"
+        return ir.Leaf(f"({text})I", rows, rows, ir.SPARSE, ir.SCALAR,
+                       ("scalar", self.attr, self.offset, self.factor))
+
+
+@dataclass
 class Shape:
     """``x.shape`` of a symbolic tensor with ``ndim`` dimensions (only its length is known)."""
     ndim: int
@@ -68,7 +83,12 @@ class GraphCondition:
 class Graph:
     """The ``graph`` argument, with the node/edge frames written by the code so far."""
     is_block: bool = False
-    frames: dict = field(default_factory=lambda: {"src": {}, "dst": {}, "edge": {}})
+    frames: dict = None
+
+    def __post_init__(self):
+        # on a graph, srcdata, dstdata and ndata are one frame, as in DGL
+        src = {}
+        self.frames = {"src": src, "dst": {} if self.is_block else src, "edge": {}}
 
 
 @dataclass

@@ -1,0 +1,66 @@
+"""The machine fingerprint that learned cost models are tied to.
+
+Kernel times depend on the processor, on how many threads torch uses and on the kernel libraries,
+so models trained under one setup are foreign under another: a model profiled with 2 threads says
+nothing about 8, and a new torch or DGL release changes kernels. The fingerprint holds
+
+    cpu_model   the ``model name`` line of /proc/cpuinfo (or the platform's processor string)
+    cores       logical processors (``os.cpu_count()``)
+    threads     torch's intra-op thread count
+    torch, dgl, xgboost   library versions (major.minor.patch, local build tags dropped)
+
+and its id is the first 12 hex digits of the SHA-256 of these fields as sorted JSON: the name of the
+folder ``costmodels/<id>/`` holding this machine's models.
+"""
+import hashlib
+import json
+import os
+import platform
+
+FIELDS = ("cpu_model", "cores", "threads", "torch", "dgl", "xgboost")
+
+
+def cpu_model():
+    """The processor's model string: first ``model name`` of /proc/cpuinfo, else the platform's."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Processor", "cpu model"):
+                    return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _version(module_name):
+    try:
+        module = __import__(module_name)
+    except ImportError:
+        return "missing"
+    return str(getattr(module, "__version__", "unknown")).split("+")[0]
+
+
+def machine_fingerprint(threads=None):
+    """``{field: value}`` of this machine; ``threads`` defaults to torch's current thread count."""
+    import torch
+    return {
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count() or 1,
+        "threads": int(threads if threads is not None else torch.get_num_threads()),
+        "torch": _version("torch"),
+        "dgl": _version("dgl"),
+        "xgboost": _version("xgboost"),
+    }
+
+
+def fingerprint_id(fp):
+    """Short stable id of a fingerprint dict (only ``FIELDS`` count)."""
+    canon = json.dumps({k: fp.get(k) for k in FIELDS}, sort_keys=True)
+    return hashlib.sha256(canon.encode()).hexdigest()[:12]
+
+
+def differences(have, want):
+    """Readable list of the fields where fingerprint ``want`` (the models') differs from ``have``."""
+    return [f"{k}: {want.get(k)!r} in the models, {have.get(k)!r} here"
+            for k in FIELDS if have.get(k) != want.get(k)]

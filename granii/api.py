@@ -27,7 +27,7 @@ from . import ir
 from .enumerate import layer_forest
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .graph import graph_info
-from .plan import compile_plan, lower, plan_code
+from .plan import COMPUTED, compile_plan, lower, plan_code
 from .prune import prune
 from .select import EXPECTED_CALLS, rank
 
@@ -131,6 +131,7 @@ class Call:
     key: tuple
     training: bool
     input_grad: bool
+    module: object = None
 
 
 def prepare(state, module, args, kwargs):
@@ -143,27 +144,62 @@ def prepare(state, module, args, kwargs):
     reason = _unsupported_input(feat)
     if reason:
         return reason
-    present = frozenset(n for n in names[2:] if values[n] is not None)
-    key = (present, bool(graph.is_block))
-    compiled = state.compiled.get(key)
-    if compiled is None:
-        compiled = state.compiled[key] = _compile(module, present, graph.is_block,
-                                                  dict(values, self=module))
+    present = frozenset(n for n in names[2:] if isinstance(values[n], torch.Tensor))
+    config = tuple((n, repr(values[n])) for n in names[2:]
+                   if values[n] is not None and n not in present)
+    key = (present, bool(graph.is_block), config)
+    gi = graph_info(graph)
+    compiled = _variant(state, module, key, values, gi)
     if isinstance(compiled, Exception):
         return str(compiled)
-    gi = graph_info(graph)
     _run_guards(state, compiled.layer_ir, gi, values, module)
     leaf_vals, symbols = _bind(state, compiled, gi, values, module)
     training = torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
     input_grad = torch.is_grad_enabled() and feat.requires_grad
-    return Call(compiled, gi, leaf_vals, symbols, key, training, input_grad)
+    return Call(compiled, gi, leaf_vals, symbols, id(compiled), training, input_grad, module)
+
+
+def _variant(state, module, key, values, gi):
+    """The compiled variant of this call signature whose assumptions hold for this call: the
+    module attributes it branched on and the graph-dependent branches it took."""
+    variants = state.compiled.setdefault(key, [])
+    for v in variants:
+        if _holds(v, module, values, gi):
+            return v
+    v = _compile(module, key[0], key[1], dict(values, self=module))
+    variants.append(v)
+    return v
+
+
+def _holds(variant, module, values, gi):
+    from .frontend.rules import config_summary
+    spec, config = ((variant.layer_ir.spec, variant.layer_ir.config)
+                    if isinstance(variant, Compiled) else (variant.spec, variant.config))
+    if any(config_summary(getattr(module, a, None)) != v for a, v in config.items()):
+        return False
+    graph_name = next(iter(values))
+    ns = None
+    for text, names, value in spec:
+        ckey = ("condition", text)
+        graph_only = set(names) <= {graph_name}
+        if graph_only and ckey in gi.cache:
+            now = gi.cache[ckey]
+        else:
+            if ns is None:
+                ns = dict(type(module).forward.__globals__, **values, self=module)
+            now = bool(eval(text, ns))
+            if graph_only:
+                gi.cache[ckey] = now
+        if now != value:
+            return False
+    return True
 
 
 def run_plan(call, plan, impls):
     """Run ``plan`` with kernel implementations ``impls`` on a prepared call (compiled each time:
     for tests and benchmarks; the dispatcher caches its compiled choice)."""
     fn, _ = compile_plan(plan, impls)
-    return fn(call.gi, *(call.leaf_vals[v] for v in leaf_vals_order(plan)))
+    return fn(call.gi, call.module, *(call.leaf_vals[v] for v in leaf_vals_order(plan)))
 
 
 def _make_dispatch(state, opts):
@@ -184,12 +220,12 @@ def _make_dispatch(state, opts):
         fn, order = decision
         state.calls += 1
         state.fallback = None
-        return fn(call.gi, *(call.leaf_vals[v] for v in order))
+        return fn(call.gi, self, *(call.leaf_vals[v] for v in order))
     return forward
 
 
 def leaf_vals_order(plan):
-    return [v for v, l in plan.leaves.items() if l.source[0] != "degree"]
+    return [v for v, l in plan.leaves.items() if l.source[0] not in COMPUTED]
 
 
 def _unsupported_input(feat):
@@ -215,7 +251,8 @@ def _compile(module, present, is_block, real=None):
     except (FrontendError, RaisesForConfig) as e:
         return e
     forest = layer_forest(lir.root)
-    promoted = prune([lower(i, root, choice) for i, (root, choice) in enumerate(forest)])
+    promoted = prune([lower(i, root, choice, heads=lir.heads)
+                      for i, (root, choice) in enumerate(forest)])
     for i, plan in enumerate(promoted):
         plan.index = i
     return Compiled(lir, len(forest), promoted)
@@ -251,22 +288,15 @@ def _bind(state, compiled, gi, values, module):
     leaves = {v: l for plan in compiled.plans for v, l in plan.leaves.items()}
     for var, leaf in leaves.items():
         src = leaf.source
-        if src[0] == "degree":
+        if src[0] in COMPUTED:
             continue
-        if src[0] == "arg":
-            val = values[src[1]]
+        if src[0] in ("arg", "edge"):
+            val = _arg_value(values, src[1])
+            if src[0] == "edge":
+                out[var] = val
+                continue
         elif src[0] == "arg_dst":
             val = values[src[1]][: gi.num_dst]
-        elif src[0] == "edge":
-            val = values[src[1]]
-            out[var] = val
-            continue
-        elif src[0] == "scalar":
-            _, attr, offset, factor = src
-            val = _module_value(module, attr)
-            val = (offset + factor * val).reshape(1)
-            out[var] = val
-            continue
         else:
             val = _module_value(module, src[1])
             if leaf.transposed:
@@ -274,6 +304,15 @@ def _bind(state, compiled, gi, values, module):
         out[var] = val
         _check_size(state, leaf, val, symbols, feat)
     return out, symbols
+
+
+def _arg_value(values, name):
+    """A forward() argument, or ``srcdata:h`` / ``dstdata:h`` / ``edata:w`` read from the graph."""
+    if ":" not in name:
+        return values[name]
+    frame, key = name.split(":", 1)
+    graph = next(iter(values.values()))
+    return getattr(graph, frame)[key]
 
 
 def _module_value(module, dotted):
@@ -331,10 +370,12 @@ def _fmt_ms(s):
 def _explain_layer(st, out):
     p = lambda *a: print(*a, file=out)
     p(f"== layer '{st.name}' ({type(st.module).__name__}) " + "=" * 40)
-    for key, comp in st.compiled.items():
-        present, is_block = key
+    for (present, is_block, _), comp in ((k, c) for k, cs in st.compiled.items() for c in cs):
         sig = ", ".join(sorted(present)) or "no optional arguments"
         p(f"call signature: {sig}{' (block)' if is_block else ''}")
+        spec = comp.layer_ir.spec if isinstance(comp, Compiled) else getattr(comp, "spec", [])
+        for text, _, value in spec:
+            p(f"  specialised on: ({text}) is {value}")
         if isinstance(comp, Exception):
             p(f"  NOT OPTIMIZED, the original forward runs: {comp}")
             continue

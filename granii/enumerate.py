@@ -52,6 +52,8 @@ def merge_rule(a, b):
         return ("row_scale", ir.DENSE, b.sub) if b.kind == ir.DENSE else None
     if b.sub in (ir.SCALAR, ir.SELECTION):
         return None
+    if getattr(a, "heads", 1) > 1 and b.cols != a.head_cols:
+        return None      # per-head edge values only multiply features split into those heads
     da, db = a.sub == ir.DIAGONAL, b.sub == ir.DIAGONAL
     if da and db:
         return "diag_mul", ir.SPARSE, ir.DIAGONAL

@@ -9,6 +9,8 @@ Leaves are matrices with symbolic shapes and the attributes of the GRANII paper'
     sparse / diagonal    degree powers ``D_in^p`` (N_dst x N_dst), ``D_out^p`` (N_src x N_src)
     sparse / scalar      ``c I``, a scalar (GIN's ``1 + eps``) times the identity
     sparse / selection   ``S = [I 0]`` (N_dst x N_src): on a block, the destination rows of the sources
+    dense  / weight      ``blockdiag(a_1 .. a_H)`` (H F x H) of GAT's attention vectors: the score
+                         ``sum_f theta_hf a_hf`` is the product ``Theta . blockdiag(a)``
 
 Inner nodes:
 
@@ -18,12 +20,22 @@ Inner nodes:
     Add(a, b)              ``a + b`` (with row broadcasting of a 1 x k operand, as for a bias)
     Apply(fn, x)           a barrier: a non-linear function nothing re-associates across
     Aggregate(prim, x)     a barrier that needs the graph: a non-linear aggregation (max, min)
+    Store(attr, x)         a barrier: ``x``, also kept on the module (``self.attr = x``)
+
+Edge values (attention):
+
+    EdgeScore(a, b)        ``e_uv = a_u + b_v`` for each edge u -> v (an SDDMM; GAT's el + er)
+    EdgeSoftmax(e)         softmax of ``e`` over the in-edges of each destination
+    EdgeScale(e, w)        ``e * w`` with a per-edge weight ``w`` (broadcast over heads)
+    SparseEdges(e)         the sparse matrix with the pattern of ``A`` and values ``e``: a
+                           sparse/weighted operand of a product (``heads`` values per edge)
 
 Nodes are immutable and hashable, so equal sub-expressions compare equal (used for CSE and for the
 keys of once-per-graph values). Shapes are symbols: ``N_src``, ``N_dst`` on a block (N_dst <= N_src:
 the destinations are a prefix of the sources), ``N`` for both on a graph, ``k_in``, ``k_out``, ``1``.
 """
-from dataclasses import dataclass, field
+import itertools
+from dataclasses import dataclass, field, replace
 
 DENSE, SPARSE = "dense", "sparse"
 DATA, WEIGHT = "data", "weight"
@@ -160,21 +172,103 @@ class Aggregate:
         return f"{self.prim}(A, {self.x})"
 
 
+@dataclass(frozen=True)
+class Store:
+    """A barrier: ``x``, also stored on the module as ``self.<attr>`` (SGConv's cache)."""
+    kind = DENSE
+    sub = DATA
+    graph_only = False
+    attr: str
+    x: object
+
+    @property
+    def rows(self):
+        return self.x.rows
+
+    @property
+    def cols(self):
+        return self.x.cols
+
+    def __str__(self):
+        return f"store[self.{self.attr}]({self.x})"
+
+
+@dataclass(frozen=True)
+class EdgeScore:
+    kind = "edges"
+    sub = DATA
+    graph_only = False
+    a: object
+    b: object
+
+    def __str__(self):
+        return f"sddmm_add({self.a}, {self.b})"
+
+
+@dataclass(frozen=True)
+class EdgeSoftmax:
+    kind = "edges"
+    sub = DATA
+    graph_only = False
+    e: object
+
+    def __str__(self):
+        return f"edge_softmax({self.e})"
+
+
+@dataclass(frozen=True)
+class EdgeScale:
+    kind = "edges"
+    sub = DATA
+    graph_only = False
+    e: object
+    w: object
+
+    def __str__(self):
+        return f"({self.e} * {self.w})"
+
+
+@dataclass(frozen=True)
+class SparseEdges:
+    """The adjacency pattern with values ``e``; ``heads`` values per edge. With several heads it
+    only multiplies a matrix whose columns are the heads' blocks (``head_cols``)."""
+    kind = SPARSE
+    sub = WEIGHTED
+    graph_only = False
+    e: object
+    rows: str
+    cols: str
+    heads: int = 1
+    head_cols: str = None
+
+    def __str__(self):
+        return f"A[{self.e}]"
+
+
+_CHILDREN = {MatMul: ("args",), RowBroadcast: ("vec", "x"), Add: ("a", "b"), Apply: ("x",),
+             Aggregate: ("x",), Store: ("x",), EdgeScore: ("a", "b"), EdgeSoftmax: ("e",),
+             EdgeScale: ("e", "w"), SparseEdges: ("e",)}
+
+
 def is_diag(m):
     return isinstance(m, Leaf) and m.sub == DIAGONAL
 
 
 def children(node):
     """The operands of an inner node (empty for a leaf)."""
+    out = []
+    for f in _CHILDREN.get(type(node), ()):
+        v = getattr(node, f)
+        out.extend(v if isinstance(v, tuple) else (v,))
+    return tuple(out)
+
+
+def with_children(node, new):
+    """``node`` with its operands replaced by ``new`` (in ``children`` order)."""
     if isinstance(node, MatMul):
-        return node.args
-    if isinstance(node, RowBroadcast):
-        return (node.vec, node.x)
-    if isinstance(node, Add):
-        return (node.a, node.b)
-    if isinstance(node, (Apply, Aggregate)):
-        return (node.x,)
-    return ()
+        return matmul(*new)
+    fields = _CHILDREN[type(node)]
+    return replace(node, **dict(zip(fields, new)))
 
 
 def leaves(node):
@@ -203,17 +297,10 @@ def rewrite_row_broadcasts(node):
     """
     if isinstance(node, Leaf):
         return node
+    new = [rewrite_row_broadcasts(c) for c in children(node)]
     if isinstance(node, RowBroadcast):
-        return matmul(node.vec, rewrite_row_broadcasts(node.x))
-    if isinstance(node, MatMul):
-        return matmul(*(rewrite_row_broadcasts(a) for a in node.args))
-    if isinstance(node, Add):
-        return Add(rewrite_row_broadcasts(node.a), rewrite_row_broadcasts(node.b))
-    if isinstance(node, Apply):
-        return Apply(node.label, rewrite_row_broadcasts(node.x), node.fn)
-    if isinstance(node, Aggregate):
-        return Aggregate(node.prim, rewrite_row_broadcasts(node.x))
-    raise TypeError(f"unknown IR node {node!r}")
+        return matmul(*new)
+    return with_children(node, new)
 
 
 def describe(node, indent=0):
@@ -222,9 +309,7 @@ def describe(node, indent=0):
     if isinstance(node, Leaf):
         t = "^T" if node.transposed else ""
         return f"{pad}{node.name}{t}  [{node.rows} x {node.cols}] {node.kind}/{node.sub}"
-    head = {MatMul: "matmul", RowBroadcast: "row-broadcast", Add: "add"}.get(type(node))
-    if head is None:
-        head = f"apply {node.label}" if isinstance(node, Apply) else f"aggregate {node.prim}"
+    head = type(node).__name__.lower()
     lines = [f"{pad}{head}"] + [describe(c, indent + 1) for c in children(node)]
     return "\n".join(lines)
 
@@ -237,26 +322,13 @@ def distribute_variants(node):
     """
     if isinstance(node, Leaf):
         return [node]
+    options = [distribute_variants(c) for c in children(node)]
+    out = [with_children(node, list(c)) for c in itertools.product(*options)]
     if isinstance(node, MatMul):
-        out = []
-        for args in _product_variants([distribute_variants(a) for a in node.args]):
-            out.append(matmul(*args))
+        for args in list(itertools.product(*options)):
             for i, a in enumerate(args):
                 if isinstance(a, Add) and a.a.rows != "1" and a.b.rows != "1":
                     left, right = args[:i], args[i + 1:]
-                    for v in distribute_variants(Add(matmul(*left, a.a, *right),
-                                                     matmul(*left, a.b, *right))):
-                        out.append(v)
-        return list(dict.fromkeys(out))
-    if isinstance(node, Add):
-        return [Add(a, b) for a in distribute_variants(node.a) for b in distribute_variants(node.b)]
-    if isinstance(node, Apply):
-        return [Apply(node.label, x, node.fn) for x in distribute_variants(node.x)]
-    if isinstance(node, Aggregate):
-        return [Aggregate(node.prim, x) for x in distribute_variants(node.x)]
-    raise TypeError(f"unknown IR node {node!r}")
-
-
-def _product_variants(options):
-    import itertools
-    return [list(c) for c in itertools.product(*options)]
+                    out += distribute_variants(Add(matmul(*left, a.a, *right),
+                                                   matmul(*left, a.b, *right)))
+    return list(dict.fromkeys(out))

@@ -26,6 +26,8 @@ from .enumerate import Node, steps as tree_steps
 from .prune import signature
 
 EVERY, GRAPH, INPUT = "every call", "once per graph", "once per input"
+INLINE = ("add", "apply", "store", "row_slice", "edge_scale")  # written out in the generated code
+COMPUTED = ("degree", "scalar", "headdiag")   # leaves the generated code computes itself
 
 
 @dataclass
@@ -48,10 +50,11 @@ class Plan:
     leaves: dict                     # variable name -> Leaf (arguments, parameters, degrees)
     out: str
     applies: dict = field(default_factory=dict)   # variable name -> callable of an Apply barrier
+    heads: tuple = None                           # (H, F) of a multi-head output
 
     def composition(self):
         """The primitives in execution order, e.g. ``sddmm_scale -> spmm_weighted -> gemm``."""
-        return " -> ".join(s.prim for s in self.steps if s.prim not in ("add", "apply"))
+        return " -> ".join(s.prim for s in self.steps if s.prim not in INLINE)
 
     def trees(self):
         return "; ".join(str(t) for t in dict.fromkeys(self.choice.values()))
@@ -65,8 +68,11 @@ def leaf_var(leaf):
     if leaf.source[0] == "degree":
         _, side, p, _ = leaf.source
         return _ident(f"D_{side}_p{p:g}")
+    if leaf.source[0] in ("scalar", "headdiag"):
+        return _ident(f"{leaf.source[0]}_{leaf.source[1]}")
     if leaf.source[0] in ("arg", "edge", "arg_dst"):
-        return _ident(leaf.source[1] + ("_dst" if leaf.source[0] == "arg_dst" else ""))
+        return _ident(leaf.source[1].replace(":", "_") +
+                      ("_dst" if leaf.source[0] == "arg_dst" else ""))
     return _ident(leaf.name)
 
 
@@ -79,10 +85,10 @@ def _when(leaf_set):
     return INPUT
 
 
-def lower(index, root, choice, scenarios=()):
+def lower(index, root, choice, scenarios=(), heads=None):
     """The plan of one layer tree: IR variant ``root`` with association tree ``choice[p]`` for
-    each of its products ``p``."""
-    plan = Plan(index, choice, scenarios, [], {}, out="")
+    each of its products ``p``. ``heads`` = (H, F): the output is returned as (N, H, F)."""
+    plan = Plan(index, choice, scenarios, [], {}, out="", heads=heads)
     names = {}
 
     def value(n):
@@ -111,6 +117,23 @@ def lower(index, root, choice, scenarios=()):
             var = emit(n, "apply", (x,), EVERY, str(n))
             plan.applies["f_" + var] = n.fn
             return var
+        if isinstance(n, ir.SparseEdges):
+            names[n] = value(n.e)
+            return names[n]
+        if isinstance(n, ir.EdgeScore):
+            a, b = value(n.a), value(n.b)
+            return emit(n, "sddmm_add", (a, b), _when(ir_leaves(n)), str(n),
+                        ("sddmm_add", False, ("E",)))
+        if isinstance(n, ir.EdgeSoftmax):
+            e = value(n.e)
+            return emit(n, "edge_softmax", (e,), _when(ir_leaves(n)), str(n),
+                        ("edge_softmax", False, ("E",)))
+        if isinstance(n, ir.EdgeScale):
+            e, w = value(n.e), value(n.w)
+            return emit(n, "edge_scale", (e, w), EVERY, str(n))
+        if isinstance(n, ir.Store):
+            x = value(n.x)
+            return emit(n, "store", (x,), EVERY, str(n))
         if isinstance(n, ir.Aggregate):
             x = value(n.x)
             lv = ir_leaves(n)
@@ -177,14 +200,19 @@ def plan_code(plan, impls, name="plan"):
     A chain of once-per-input steps becomes one nested function cached under the key of its last
     step: only the value the weights then use is kept, not every intermediate.
     """
-    leaf_args = [v for v, l in plan.leaves.items() if l.source[0] != "degree"]
-    lines = [f"def {name}_{plan.index}(gi, {', '.join(leaf_args)}):",
+    leaf_args = [v for v, l in plan.leaves.items() if l.source[0] not in COMPUTED]
+    lines = [f"def {name}_{plan.index}(gi, module, {', '.join(leaf_args)}):",
              f"    # {plan.composition()}",
              f"    # tree: {plan.trees()}"]
     for var, leaf in plan.leaves.items():
         if leaf.source[0] == "degree":
             _, side, p, clamp = leaf.source
             lines.append(f"    {var} = degree_power(gi, {side!r}, {p!r}, {clamp!r})")
+        elif leaf.source[0] == "scalar":
+            _, attr, offset, factor = leaf.source
+            lines.append(f"    {var} = scalar(module, {attr!r}, {offset!r}, {factor!r})")
+        elif leaf.source[0] == "headdiag":
+            lines.append(f"    {var} = head_diag(module, {leaf.source[1]!r})")
     impl_of = {s.var: impl for s, impl in zip(plan.steps, impls)}
     by_var = {s.var: s for s in plan.steps}
     inner = _inner_input_steps(plan)
@@ -205,13 +233,23 @@ def plan_code(plan, impls, name="plan"):
                 expr = f"lambda: {expr}"
             expr = f"once_per_input(gi, {step.key!r}, ({', '.join(step.inputs)},), {expr})"
         lines.append(f"    {step.var} = {expr}")
-    lines.append(f"    return {plan.out}")
+    if plan.heads:
+        lines.append(f"    return {plan.out}.view({plan.out}.shape[0], {plan.heads[0]}, -1)")
+    else:
+        lines.append(f"    return {plan.out}")
     return "\n".join(lines) + "\n"
 
 
 def _expr(step, impl):
+    if step.prim == "store":
+        attr = step.key.split("self.", 1)[1].split("]", 1)[0]
+        return f"store(module, {attr!r}, {step.args[0]})"
     if step.prim == "row_slice":
         return f"{step.args[0]}[:gi.num_dst]"
+    if step.prim == "edge_scale":
+        return f"{step.args[0]} * {step.args[1]}.reshape(-1, 1)"
+    if step.prim == "spmm_weighted":
+        return f"by_heads(spmm_weighted_{impl}, gi, {step.args[0]}, {step.args[1]})"
     if step.prim == "add":
         return f"{step.args[0]} + {step.args[1]}"
     if step.prim == "apply":
@@ -250,7 +288,7 @@ def compile_plan(plan, impls):
     src = plan_code(plan, impls)
     ns = dict(RUNTIME)
     for step, impl in zip(plan.steps, impls):
-        if step.prim not in ("add", "apply") and f"{step.prim}_{impl}" not in ns:
+        if step.prim not in INLINE and f"{step.prim}_{impl}" not in ns:
             ns[f"{step.prim}_{impl}"] = kernels.get(step.prim, impl)
     ns.update(plan.applies)
     exec(compile(src, f"<granii plan {plan.index}>", "exec"), ns)
@@ -311,13 +349,41 @@ def once_per_input(gi, key, tensors, compute):
     return value
 
 
+def head_diag(module, attr):
+    """``blockdiag(a_1, ..., a_H)`` of an attention parameter of shape (1, H, F): (H F) x H."""
+    a = getattr(module, attr)
+    heads = a.shape[-2]
+    return torch.block_diag(*a.reshape(heads, -1, 1))
+
+
+def by_heads(kernel, gi, w, x):
+    """A weighted SpMM with ``w`` of shape (E,) or (E, H) on ``x`` of shape (n, H F) or (n, k):
+    per head ``h``, ``Y_h = A[w_h] X_h`` (with one head, ``X`` is used whole)."""
+    if w.dim() == 1 or w.shape[1] == 1:
+        return kernel(gi, w.reshape(-1), x)
+    heads = w.shape[1]
+    return kernel(gi, w, x.view(x.shape[0], heads, -1)).reshape(-1, x.shape[1])
+
+
+def scalar(module, attr, offset, factor):
+    """``offset + factor * module.<attr>`` as a one-element tensor (GIN's ``1 + eps``)."""
+    return (offset + factor * getattr(module, attr)).reshape(1)
+
+
+def store(module, attr, value):
+    """``module.<attr> = value``; returns ``value``."""
+    setattr(module, attr, value)
+    return value
+
+
 def diag_mul_torch(a, b):
     """``diag(a) diag(b) = diag(a * b)``."""
     return a * b
 
 
 RUNTIME = {"degree_power": degree_power, "once_per_graph": once_per_graph,
-           "once_per_input": once_per_input, "diag_mul_torch": diag_mul_torch}
+           "once_per_input": once_per_input, "diag_mul_torch": diag_mul_torch, "store": store,
+           "scalar": scalar, "head_diag": head_diag, "by_heads": by_heads}
 
 
 def all_steps(choice):

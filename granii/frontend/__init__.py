@@ -8,6 +8,8 @@ optional argument as present or ``None`` (``present`` names those given), and re
 import inspect
 from dataclasses import dataclass
 
+import torch
+
 from .. import ir
 from .interp import Interpreter, forward_ast
 from .values import FrontendError, Graph, RaisesForConfig, Tensor
@@ -25,6 +27,9 @@ class LayerIR:
     arg_names: tuple             # forward's parameters after self
     present: frozenset           # optional arguments given in this call signature
     source: str                  # the forward() source that was parsed
+    spec: list                   # (condition, names, value): graph-dependent branches taken
+    config: dict                 # module attribute -> summary of the value branched on
+    heads: tuple = None          # (H, F): the output is (N, H, F), the IR's N x (H F) split
 
 
 def lower_layer(module, present=frozenset(), is_block=False, real=None):
@@ -40,17 +45,26 @@ def lower_layer(module, present=frozenset(), is_block=False, real=None):
     n_src = "N_src" if is_block else "N"
     bound[feat_name] = Tensor(ir.Leaf("H", n_src, "k_in", ir.DENSE, ir.DATA, ("arg", feat_name)))
     for name in params[2:]:
+        value = (real or {}).get(name)
         if name in present:
             bound[name] = Tensor(ir.Leaf(name, None, None, ir.DENSE, ir.WEIGHT, ("arg", name)))
+        elif value is not None and not isinstance(value, torch.Tensor):
+            bound[name] = value          # configuration given per call (get_attention=False)
         else:
             bound[name] = None
     interp = Interpreter(module, func_def, globals_, src, is_block, real)
-    out = interp.run(bound)
-    if not isinstance(out, Tensor):
-        raise FrontendError("return value", f"forward returns {type(out).__name__}, not a tensor")
-    _check_complete(out.node)
+    try:
+        out = interp.run(bound)
+        if not isinstance(out, Tensor):
+            raise FrontendError("return value", f"forward returns {type(out).__name__}, "
+                                "not a tensor")
+        _check_complete(out.node)
+    except (FrontendError, RaisesForConfig) as e:
+        e.spec, e.config = interp.spec, interp.config     # when this outcome holds again
+        raise
     return LayerIR(type(module).__name__, ir.rewrite_row_broadcasts(out.node), out.node,
-                   interp.guards, tuple(params), frozenset(present), src)
+                   interp.guards, tuple(params), frozenset(present), src, interp.spec,
+                   interp.config, interp.heads if out.ndim == 3 else None)
 
 
 def _check_complete(node):

@@ -20,7 +20,7 @@ import torch
 from .. import ir
 from . import rules
 from .values import (Degrees, Edges, Frame, FrontendError, Graph, GraphCondition, LocalScope,
-                     Method, RaisesForConfig, Scalar, Shape, Tensor)
+                     HeadProduct, Method, RaisesForConfig, Scalar, Shape, Tensor)
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.Pow: operator.pow, ast.MatMult: operator.matmul,
@@ -28,7 +28,8 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
            ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
-_SYMBOLIC = (Tensor, Edges, Degrees, Graph, Frame, Shape, GraphCondition, Method, Scalar)
+_SYMBOLIC = (Tensor, Edges, Degrees, Graph, Frame, Shape, GraphCondition, Method, Scalar,
+             HeadProduct)
 
 
 class PythonFunction:
@@ -65,7 +66,8 @@ class Interpreter:
         self.env = {}
         self.guards = []          # (source text, names it reads): checks that raise
         self.spec = []            # (condition text, names, value): branches taken for this input
-        self.effects = []         # (module attribute, IR node): values forward() stores on self
+        self.config = {}          # module attribute -> summary of the value the code branched on
+        self.heads = None         # (H, F) once features are split into attention heads
         self.leaves = {}
 
     # -- entry -------------------------------------------------------------------------------
@@ -125,7 +127,8 @@ class Interpreter:
         elif isinstance(target, ast.Attribute) and self.eval(target.value) is self.module:
             if not isinstance(value, Tensor):
                 self.fail(target, f"assignment to self.{target.attr}", "of a non-tensor value")
-            self.effects.append((target.attr, value.node))
+            # later uses of the same value read the stored one, as the original code does
+            value.node = ir.Store(target.attr, value.node)
         elif isinstance(target, ast.Subscript):
             obj = self.eval(target.value)
             key = self.eval(target.slice)
@@ -220,6 +223,9 @@ class Interpreter:
 
     def expr_Tuple(self, e):
         return tuple(self.eval(x) for x in e.elts)
+
+    def expr_Dict(self, e):
+        return {self.eval(k): self.eval(v) for k, v in zip(e.keys, e.values)}
 
     def expr_List(self, e):
         return [self.eval(x) for x in e.elts]

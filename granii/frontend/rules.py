@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from .. import ir
-from .values import (Degrees, Edges, Frame, FrontendError, Graph, GraphCondition, LocalScope,
-                     Method, RaisesForConfig, Scalar, Shape, Tensor)
+from .values import (Degrees, Edges, Frame, FrontendError, Graph, GraphCondition, HeadProduct,
+                     LocalScope, Method, RaisesForConfig, Scalar, Shape, Tensor)
 
 _U, _V, _E = 0, 1, 2
 _GRAPH_SCALARS = {"num_edges", "num_nodes", "number_of_edges", "number_of_nodes",
-                  "num_src_nodes", "num_dst_nodes"}
+                  "num_src_nodes", "num_dst_nodes", "number_of_src_nodes", "number_of_dst_nodes"}
 _SAME_VALUE_METHODS = {"to", "float", "contiguous", "type_as", "detach"}
 _PURE_MODULES = ("dgl.function",)
 
@@ -36,14 +36,29 @@ def module_attr(it, attr):
     """``self.<attr>``: configuration values as they are; tensors (parameters, buffers, cached
     values) as symbolic leaves read at run time, one-element ones as scalars."""
     value = getattr(it.module, attr)
+    it.config[attr] = config_summary(value)
     if isinstance(value, torch.Tensor):
         if value.numel() == 1 and value.dim() <= 1:
             return Scalar(attr)
         if isinstance(value, nn.Parameter):
             return Tensor(param_leaf(it, attr, value), value.dim())
-        leaf = it.leaf(attr, None, None, ir.DENSE, ir.DATA, ("attr", attr))
-        return Tensor(leaf, value.dim())
+        if value.dim() != 2:
+            fail(None, f"tensor attribute self.{attr} of {value.dim()} dimensions", "not lowered")
+        leaf = it.leaf(attr, f"n{attr}", f"k{attr}", ir.DENSE, ir.DATA, ("attr", attr))
+        return Tensor(leaf, 2)
     return value
+
+
+def config_summary(value):
+    """What a compiled plan assumes of a module attribute: its value for plain configuration,
+    only "a tensor" or ``None`` for tensors, identity for anything else (submodules, functions)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    if isinstance(value, tuple) and all(isinstance(v, (bool, int, float, str)) for v in value):
+        return value
+    return ("object", id(value))
 
 
 def param_leaf(it, attr, value, transposed=False):
@@ -64,13 +79,15 @@ def symbolic_attr(it, obj, attr, node):
         return Method(obj, attr)
     if attr == "shape":
         return Shape(obj.ndim if isinstance(obj, Tensor) else 1)
-    if isinstance(obj, (Tensor, Degrees, Edges, GraphCondition, Shape)):
+    if isinstance(obj, (Tensor, Degrees, Edges, GraphCondition, Shape, HeadProduct)):
         return Method(obj, attr)
     fail(node, f"attribute '{attr}' of {type(obj).__name__}", "not understood")
 
 
 def symbolic_index(it, obj, key, node):
     if isinstance(obj, Shape):
+        if isinstance(key, slice):
+            return Shape(len(range(obj.ndim)[key]))
         return GraphCondition("size")
     if (isinstance(obj, Tensor) and isinstance(key, slice) and key.start is None
             and key.step is None and isinstance(key.stop, GraphCondition)
@@ -99,17 +116,59 @@ def frame_set(frame, key, value, it):
         frames[frame.which][key] = value
 
 
+def _is_param(node):
+    return isinstance(node, ir.Leaf) and node.source[0] == "param"
+
+
+def edge_node(it, e, node):
+    if e.node is None:
+        fail(node, "arithmetic on edge values given as an argument", "not lowered")
+    return e.node
+
+
+def head_diag(it, hp):
+    """``blockdiag(a_1, ..., a_H)`` (H F x H) of the attention parameter ``self.<attr>``."""
+    return it.leaf(f"blockdiag({hp.attr})", hp.x.node.cols, "H", ir.DENSE,
+                   ir.WEIGHT, ("headdiag", hp.attr))
+
+
+def tensor_view(it, x, args, node):
+    """``x.view(*prefix, H, F)``: features split into heads. The IR keeps them as the N x (H F)
+    matrix; ``it.heads`` remembers (H, F) to give the output its shape."""
+    args = [a for a in args if not isinstance(a, GraphCondition)]
+    if len(args) == 1 and args[0] == -1:
+        return Tensor(x.node, 2)
+    if len(args) == 2 and all(isinstance(a, int) for a in args):
+        heads, width = args
+        if heads != -1:
+            it.heads = (heads, width)
+        return Tensor(x.node, 3)
+    if len(args) == 3 and all(isinstance(a, int) for a in args) and args[0] == 1:
+        return Tensor(x.node, 3)       # a bias viewed as (1, H, F)
+    fail(node, f"view{tuple(args)}", "only splitting features into (heads, width) is lowered")
+
+
 def _is_arg(node):
     return isinstance(node, ir.Leaf) and node.source[0] == "arg" and node.rows is None
 
 
 def frame_get(frame, key, it, node):
+    """A field of a graph frame: the value the code wrote, or data the graph carries (read at
+    run time from the graph, like an argument)."""
     which = "src" if frame.which == "node" else frame.which
-    try:
-        return frame.graph.frames[which][key]
-    except KeyError:
-        fail(node, f"graph.{frame.which}data['{key}']", "read before the code wrote it "
-             "(data attached to the graph outside forward() is not lowered)")
+    frames = frame.graph.frames
+    if key in frames[which]:
+        return frames[which][key]
+    if not isinstance(key, str):
+        fail(node, f"graph.{frame.which}data[{key!r}]", "only string keys are lowered")
+    if which == "edge":
+        value = Edges(arg=f"edata:{key}")
+    else:
+        rows = it.n_src if which == "src" else it.n_dst
+        name = f"{which}data:{key}"
+        value = Tensor(it.leaf(name, rows, f"k_{key}", ir.DENSE, ir.DATA, ("arg", name)), 2)
+    frames[which][key] = value
+    return value
 
 
 def update_all(it, graph, msg, red, node):
@@ -117,24 +176,28 @@ def update_all(it, graph, msg, red, node):
     if not hasattr(msg, "out_field") or not hasattr(red, "msg_field"):
         fail(node, "update_all with a Python function", "user-defined (UDF) message or reduce "
              "functions are opaque to the frontend; only dgl.function built-ins are lowered")
-    src = graph.frames["src"]
     if msg.name == "copy_u":
-        x = _frame_tensor(src, msg.in_field, node)
+        x = _frame_tensor(it, graph, msg.in_field, node)
         adj = it.leaf("A", it.n_dst, it.n_src, ir.SPARSE, ir.UNWEIGHTED, ("graph",))
     elif msg.name in ("u_mul_e", "e_mul_u"):
         ufield, efield = ((msg.lhs_field, msg.rhs_field) if msg.lhs == _U
                           else (msg.rhs_field, msg.lhs_field))
-        x = _frame_tensor(src, ufield, node)
-        w = graph.frames["edge"].get(efield)
-        if not isinstance(w, Edges) or w.arg is None:
-            fail(node, f"u_mul_e with edge field '{efield}'", "edge values must be an argument")
-        adj = it.leaf("A_w", it.n_dst, it.n_src, ir.SPARSE, ir.WEIGHTED, ("edge", w.arg))
+        x = _frame_tensor(it, graph, ufield, node)
+        w = frame_get(Frame(graph, "edge"), efield, it, node)
+        if not isinstance(w, Edges):
+            fail(node, f"u_mul_e with edge field '{efield}'", "the field holds no edge values")
+        if w.node is not None:
+            heads = it.heads[0] if x.ndim == 3 and it.heads else 1
+            adj = ir.SparseEdges(w.node, it.n_dst, it.n_src, heads, x.node.cols)
+        else:
+            adj = it.leaf("A_w", it.n_dst, it.n_src, ir.SPARSE, ir.WEIGHTED, ("edge", w.arg))
     else:
         fail(node, f"message function fn.{msg.name}", "not lowered yet")
     if msg.out_field != red.msg_field:
         fail(node, "update_all", "reduce reads a message field the message function did not write")
-    if x.ndim != 2:
-        fail(node, "update_all on features with more than 2 dimensions", "not lowered yet")
+    if x.ndim != 2 and not (x.ndim == 3 and isinstance(adj, ir.SparseEdges)):
+        fail(node, "update_all on features with more than 2 dimensions", "only attention "
+             "(per-head edge values times (N, heads, F) features) is lowered")
     if red.name == "sum":
         out = ir.matmul(adj, x.node)
     elif red.name == "mean":
@@ -143,11 +206,21 @@ def update_all(it, graph, msg, red, node):
         out = ir.Aggregate(f"spmm_{red.name}", x.node)
     else:
         fail(node, f"reduce function fn.{red.name} with fn.{msg.name}", "not lowered yet")
-    graph.frames["dst"][red.out_field] = Tensor(out, 2)
+    graph.frames["dst"][red.out_field] = Tensor(out, x.ndim)
 
 
-def _frame_tensor(frame, key, node):
-    x = frame.get(key)
+def apply_edges(it, graph, func, node):
+    """``graph.apply_edges(fn.u_add_v(a, b, out))``: per-edge ``a_u + b_v`` (an SDDMM)."""
+    if getattr(func, "name", None) != "u_add_v":
+        fail(node, f"apply_edges with {getattr(func, 'name', 'a Python function')}",
+             "only fn.u_add_v is lowered")
+    a = frame_get(Frame(graph, "src"), func.lhs_field, it, node)
+    b = frame_get(Frame(graph, "dst"), func.rhs_field, it, node)
+    graph.frames["edge"][func.out_field] = Edges(node=ir.EdgeScore(a.node, b.node))
+
+
+def _frame_tensor(it, graph, key, node):
+    x = frame_get(Frame(graph, "src"), key, it, node)
     if not isinstance(x, Tensor):
         fail(node, f"srcdata['{key}']", "the message function reads a field that holds no tensor")
     return x
@@ -192,6 +265,8 @@ def binop(it, op, a, b, node):
         return degree_arith(it, op, a, b, node)
     if isinstance(a, Shape) and isinstance(b, tuple) and op == "Add":
         return Shape(a.ndim + len(b))
+    if isinstance(a, tuple) and isinstance(b, Shape) and op == "Add":
+        return Shape(len(a) + b.ndim)
     if isinstance(a, Scalar) or isinstance(b, Scalar):
         return scalar_arith(it, op, a, b, node)
     if isinstance(a, GraphCondition) or isinstance(b, GraphCondition):
@@ -202,6 +277,12 @@ def binop(it, op, a, b, node):
             bn = dataclasses.replace(bn, rows="1", cols=an.cols)
             it.leaves[bn.name] = bn
         return Tensor(ir.Add(an, bn), max(a.ndim, b.ndim))
+    if op == "Mult" and isinstance(a, Tensor) and isinstance(b, Tensor) and a.ndim == 3 \
+            and _is_param(b.node) and it.heads:
+        return HeadProduct(a, b.node.source[1])
+    if op == "Mult" and isinstance(a, Edges) and isinstance(b, Edges) and b.arg is not None:
+        w = it.leaf(b.arg, "E", "1", ir.DENSE, ir.DATA, ("edge", b.arg))
+        return Edges(node=ir.EdgeScale(edge_node(it, a, node), w))
     if op == "Mult" and isinstance(a, Tensor) and isinstance(b, (int, float)):
         return scale(it, a, float(b), node)
     if op == "Mult" and isinstance(b, Tensor) and isinstance(a, (int, float)):
@@ -253,20 +334,36 @@ def call_method(it, m, args, kwargs, node):
             return GraphCondition(name)
         if name == "update_all":
             return update_all(it, obj, *args[:2], node)
+        if name == "apply_edges" and len(args) == 1 and not kwargs:
+            return apply_edges(it, obj, args[0], node)
         fail(node, f"graph.{name}", "not lowered")
     if isinstance(obj, GraphCondition):
         return GraphCondition(name)
     if isinstance(obj, Degrees):
         return degree_method(obj, name, args, kwargs, node)
+    if isinstance(obj, HeadProduct):
+        if name == "sum" and (kwargs.get("dim", args[0] if args else None) == -1):
+            return Tensor(ir.matmul(obj.x.node, head_diag(it, obj)), 2)
+        fail(node, f"(features * attention).{name}()", "only .sum(dim=-1) is lowered")
     if isinstance(obj, Tensor):
         if name in _SAME_VALUE_METHODS:
             return obj
         if name == "dim":
             return obj.ndim
+        if name in ("view", "reshape"):
+            return tensor_view(it, obj, args, node)
+        if name == "unsqueeze" and args and args[0] == -1:
+            return Tensor(obj.node, obj.ndim + 1)
+        if name in ("tile", "transpose") and _is_arg(obj.node):
+            return Edges(arg=obj.node.source[1])
         if name == "size":
             return GraphCondition("size")
     if isinstance(obj, Edges) and name in _SAME_VALUE_METHODS:
         return obj
+    if isinstance(obj, Edges) and name == "unsqueeze" and args and args[0] == -1:
+        return obj
+    if isinstance(obj, Edges) and obj.arg is not None and name in ("tile", "transpose"):
+        return obj      # a per-edge weight broadcast over heads: (E,) -> (E, H, 1)
     if isinstance(obj, Frame):
         if name == "pop" or name == "__getitem__":
             return frame_get(obj, args[0], it, node)
@@ -292,9 +389,19 @@ def degree_method(d, name, args, kwargs, node):
 
 def call_function(it, func, args, kwargs, node):
     symbolic = [a for a in list(args) + list(kwargs.values())
-                if isinstance(a, (Tensor, Degrees, Edges, Graph, Shape, GraphCondition, Scalar))]
+                if isinstance(a, (Tensor, Degrees, Edges, Graph, Shape, GraphCondition, Scalar,
+                                  HeadProduct))]
     if not symbolic:
         return func(*args, **kwargs)
+    name = getattr(func, "__name__", type(func).__name__)
+    modname = getattr(func, "__module__", "") or ""
+    if func is len and isinstance(args[0], Shape):
+        return args[0].ndim
+    if name == "edge_softmax" and modname.startswith("dgl") and isinstance(args[1], Edges):
+        return Edges(node=ir.EdgeSoftmax(edge_node(it, args[1], node)))
+    if isinstance(func, nn.Module) and len(args) == 1 and isinstance(args[0], Edges):
+        label = _module_label(it, func)
+        return Edges(node=ir.Apply(label, edge_node(it, args[0], node), func))
     if func is isinstance and len(args) == 2:
         return isinstance(args[0], Tensor) and issubclass(torch.Tensor, args[1])
     if isinstance(func, nn.Module) and any(isinstance(a, Graph) for a in args):

@@ -72,6 +72,20 @@ class Shape:
     """``x.shape`` of a symbolic tensor with ``ndim`` dimensions (only its length is known)."""
     ndim: int
 
+    def __iter__(self):
+        return iter([GraphCondition("size")] * self.ndim)
+
+    def __len__(self):
+        return self.ndim
+
+
+@dataclass
+class HeadProduct:
+    """``x * a`` of head-shaped features (N, H, F) and an attention vector (1, H, F), waiting for
+    the ``.sum(-1)`` that makes it the product ``x . blockdiag(a)``."""
+    x: object
+    attr: str
+
 
 @dataclass
 class GraphCondition:

@@ -1,0 +1,15 @@
+"""Kernel registry: one thin function per (primitive, implementation).
+
+Conventions. ``gi`` is a ``granii.graph.GraphInfo``. The sparse matrix ``A`` has shape
+``(num_dst, num_src)`` with ``A[v, u] = 1`` for an edge ``u -> v``; ``A_w`` carries the edge value
+``w_e`` instead. Edge-value tensors have shape ``(E,)`` or ``(E, heads, ...)`` in DGL edge-id order.
+Every implementation is differentiable in all its tensor inputs, edge values included.
+
+Primitives: ``gemm``, ``row_scale`` (dense); ``spmm``, ``spmm_weighted``, ``spmm_mean``,
+``spmm_max`` (sparse-dense products); ``sddmm_scale``, ``sddmm_add`` (edge values from node
+values); ``edge_softmax``.
+"""
+from granii.kernels.registry import REGISTRY, get, implementations, register
+from granii.kernels import dense, sddmm, softmax, spmm  # noqa: F401  (registration)
+
+__all__ = ["REGISTRY", "register", "get", "implementations"]

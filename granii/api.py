@@ -24,7 +24,7 @@ import torch
 
 from . import costmodel as cm
 from . import ir
-from .enumerate import layer_forest
+from .enumerate import TooManyTrees, layer_forest
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .graph import graph_info
 from .plan import COMPUTED, compile_plan, lower, plan_code
@@ -250,12 +250,16 @@ def _compile(module, present, is_block, real=None):
         lir = lower_layer(module, present, is_block, real)
     except (FrontendError, RaisesForConfig) as e:
         return e
-    forest = layer_forest(lir.root)
+    try:
+        forest, n_trees = layer_forest(lir.root)
+    except TooManyTrees as e:
+        e.spec, e.config = lir.spec, lir.config
+        return e
     promoted = prune([lower(i, root, choice, heads=lir.heads)
                       for i, (root, choice) in enumerate(forest)])
     for i, plan in enumerate(promoted):
         plan.index = i
-    return Compiled(lir, len(forest), promoted)
+    return Compiled(lir, n_trees, promoted)
 
 
 def _run_guards(state, lir, gi, values, module):
@@ -288,6 +292,8 @@ def _bind(state, compiled, gi, values, module):
     leaves = {v: l for plan in compiled.plans for v, l in plan.leaves.items()}
     for var, leaf in leaves.items():
         src = leaf.source
+        if src[0] == "headdiag":
+            symbols[leaf.cols] = _module_value(module, src[1]).shape[-2]
         if src[0] in COMPUTED:
             continue
         if src[0] in ("arg", "edge"):
@@ -297,6 +303,12 @@ def _bind(state, compiled, gi, values, module):
                 continue
         elif src[0] == "arg_dst":
             val = values[src[1]][: gi.num_dst]
+        elif src[0] == "param_block":
+            _, attr, i, m, transposed = src
+            full = _module_value(module, attr)
+            full = full.t() if transposed else full
+            k = full.shape[0] // m
+            val = full[i * k:(i + 1) * k]
         else:
             val = _module_value(module, src[1])
             if leaf.transposed:

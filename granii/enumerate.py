@@ -100,8 +100,18 @@ def _is_scaling(parts):
     return i <= 1 and len(parts) - i - 1 <= 1
 
 
+INTERVAL_LIMIT = 24
+
+
 def association_trees(factors):
-    """All association trees of the product of ``factors`` (a tuple of IR nodes), each once."""
+    """All association trees of the product of ``factors`` (a tuple of IR nodes), each once.
+
+    Long products (TAGConv with several hops) have thousands of trees: when one interval of the
+    product has more than ``INTERVAL_LIMIT`` sub-trees, those dominated in both embedding-size
+    scenarios by another sub-tree of the same interval are dropped early. The same rules as the
+    final pruning, applied to a sub-product: a tree containing a dominated sub-tree is dominated.
+    """
+    from .prune import SCENARIOS, signature, survivors
     factors = tuple(factors)
 
     @lru_cache(maxsize=None)
@@ -114,6 +124,9 @@ def association_trees(factors):
                 node = merge(left, right)
                 if node is not None:
                     found.setdefault(node, None)
+        found = list(found)
+        if len(found) > INTERVAL_LIMIT:
+            found = _skyline(found, signature, survivors, SCENARIOS)
         return tuple(found)
 
     return list(trees(0, len(factors) - 1))
@@ -148,14 +161,48 @@ def products(root):
     return found
 
 
-def layer_forest(root):
-    """Every way to associate every product in every distributed form of the layer.
+FOREST_LIMIT = 2000
 
-    A list of ``(ir_root, {MatMul: tree})``: the IR variant and one tree per product in it.
+
+def layer_forest(root):
+    """Every way to associate every product in every distributed or factored form of the layer.
+
+    Returns ``(forest, n_enumerated)``: ``forest`` a list of ``(ir_root, {MatMul: tree})``, the
+    IR variant and one tree per product in it. When the combinations would exceed
+    ``FOREST_LIMIT`` (TAGConv with 3 hops has about 20,000), each product's own trees are pruned
+    first (the same dominance rules, per product) before they are combined; ``n_enumerated``
+    still counts every combination.
     """
-    forest = []
-    for variant in ir.distribute_variants(root):
+    from .prune import SCENARIOS, signature, survivors
+    variants = [f for d in ir.distribute_variants(root) for f in ir.factor_variants(d)]
+    per_variant, total = [], 0
+    for variant in dict.fromkeys(variants):
         prods = list(dict.fromkeys(products(variant)))
-        per_product = [association_trees(p.args) for p in prods]
-        forest += [(variant, dict(zip(prods, c))) for c in itertools.product(*per_product)]
-    return forest
+        options = [association_trees(p.args) for p in prods]
+        n = 1
+        for o in options:
+            n *= len(o)
+        total += n
+        per_variant.append((variant, prods, options))
+    if total > 4 * FOREST_LIMIT:
+        raise TooManyTrees(f"{total} association trees: too many to lower at run time "
+                           f"(limit {4 * FOREST_LIMIT})")
+    forest = []
+    for variant, prods, options in per_variant:
+        if total > FOREST_LIMIT:
+            options = [_skyline(o, signature, survivors, SCENARIOS) for o in options]
+        forest += [(variant, dict(zip(prods, c))) for c in itertools.product(*options)]
+        if len(forest) > 2 * FOREST_LIMIT:
+            raise TooManyTrees(f"{total} association trees (more than {2 * FOREST_LIMIT} after "
+                               "pruning each product): too many to lower at run time")
+    return forest, total
+
+
+class TooManyTrees(Exception):
+    """The layer's forest is too large to lower at run time; the original forward runs."""
+
+
+def _skyline(trees, signature, survivors, scenarios):
+    sigs = [[signature(s) for s in steps(t)] for t in trees]
+    keep = set().union(*(survivors(sigs, sc) for sc in scenarios))
+    return [t for i, t in enumerate(trees) if i in keep]

@@ -194,6 +194,27 @@ class Store:
 
 
 @dataclass(frozen=True)
+class Cat:
+    """``[X_0, X_1, ...]`` concatenated along columns; only a product ``Cat . W`` is lowered, as
+    ``sum_i X_i W_i`` with ``W_i`` the row blocks of ``W`` (TAGConv's hop stack)."""
+    kind = DENSE
+    sub = DATA
+    graph_only = False
+    parts: tuple
+
+    @property
+    def rows(self):
+        return self.parts[0].rows
+
+    @property
+    def cols(self):
+        return "+".join(p.cols for p in self.parts)
+
+    def __str__(self):
+        return "cat(" + ", ".join(str(p) for p in self.parts) + ")"
+
+
+@dataclass(frozen=True)
 class EdgeScore:
     kind = "edges"
     sub = DATA
@@ -247,7 +268,7 @@ class SparseEdges:
 
 _CHILDREN = {MatMul: ("args",), RowBroadcast: ("vec", "x"), Add: ("a", "b"), Apply: ("x",),
              Aggregate: ("x",), Store: ("x",), EdgeScore: ("a", "b"), EdgeSoftmax: ("e",),
-             EdgeScale: ("e", "w"), SparseEdges: ("e",)}
+             EdgeScale: ("e", "w"), SparseEdges: ("e",), Cat: ("parts",)}
 
 
 def is_diag(m):
@@ -267,6 +288,8 @@ def with_children(node, new):
     """``node`` with its operands replaced by ``new`` (in ``children`` order)."""
     if isinstance(node, MatMul):
         return matmul(*new)
+    if isinstance(node, Cat):
+        return Cat(tuple(new))
     fields = _CHILDREN[type(node)]
     return replace(node, **dict(zip(fields, new)))
 
@@ -331,4 +354,28 @@ def distribute_variants(node):
                     left, right = args[:i], args[i + 1:]
                     out += distribute_variants(Add(matmul(*left, a.a, *right),
                                                    matmul(*left, a.b, *right)))
+    return list(dict.fromkeys(out))
+
+
+def factor_variants(node):
+    """Every IR equal to ``node`` by factoring a common left factor out of a sum:
+    ``P X + P Y = P (X + Y)``.
+
+    TAGConv's ``H W_0 + N H W_1 + N N H W_2`` becomes ``H W_0 + N (H W_1 + N H W_2)`` (Horner's
+    rule): each hop's aggregation then runs once, at the output width.
+    """
+    if isinstance(node, Leaf):
+        return [node]
+    options = [factor_variants(c) for c in children(node)]
+    out = [with_children(node, list(c)) for c in itertools.product(*options)]
+    if isinstance(node, Add):
+        for a, b in itertools.product(*options):
+            fa = a.args if isinstance(a, MatMul) else (a,)
+            fb = b.args if isinstance(b, MatMul) else (b,)
+            n = 0
+            while n < min(len(fa), len(fb)) - 1 and fa[n] == fb[n]:
+                n += 1
+            for cut in range(1, n + 1):
+                rest = Add(matmul(*fa[cut:]), matmul(*fb[cut:]))
+                out += [matmul(*fa[:cut], r) for r in factor_variants(rest)]
     return list(dict.fromkeys(out))

@@ -186,8 +186,6 @@ class Trees:
             self.feature[i, :n] = t["split_indices"]
             self.cond[i, :n] = t["split_conditions"]
             self.default_left[i, :n] = np.asarray(t["default_left"], dtype=bool)
-        if len(trees) == 0:
-            self.cond[0, 0] = 0.0
         if self.feature.max(initial=0) >= max(self.num_features, 1):
             raise ValueError("a split reads a feature beyond num_feature")
         self.depth = self._depth()
@@ -202,9 +200,8 @@ class Trees:
             if not inner.any():
                 return depth
             tree, node = tree[inner], node[inner]
-            tree = np.concatenate([tree, tree])
-            node = np.concatenate([self.left[tree[: len(node)], node],
-                                   self.right[tree[: len(node)], node]])
+            tree, node = (np.concatenate([tree, tree]),
+                          np.concatenate([self.left[tree, node], self.right[tree, node]]))
         raise ValueError("a tree has a cycle")
 
     def predict(self, X, margin):
@@ -236,8 +233,8 @@ class LearnedCost:
     under this instance, the primitive, the implementation and ``dims``.
     """
 
-    def __init__(self, boosters, manifest, path=None, fallback=None):
-        self.boosters = boosters                 # {(prim, impl): Trees}
+    def __init__(self, trees, manifest, path=None, fallback=None):
+        self.trees = trees                       # {(prim, impl): Trees}
         self.manifest = manifest
         self.path = path
         self.fallback = fallback or AnalyticalCost()
@@ -245,11 +242,10 @@ class LearnedCost:
         self._token = ("learned_cost", next(_TOKENS))
 
     def has_model(self, prim, impl):
-        return (prim, impl) in self.boosters
+        return (prim, impl) in self.trees
 
     def predict(self, prim, impl, gi, dims):
-        booster = self.boosters.get((prim, impl))
-        if booster is None:
+        if (prim, impl) not in self.trees:
             return self.fallback.predict(prim, impl, gi, dims)
         key = (self._token, prim, impl, tuple(sorted(dims.items())))
         cache = getattr(gi, "cache", None)
@@ -263,7 +259,7 @@ class LearnedCost:
     def predict_many(self, prim, impl, gi, dims_list):
         """Seconds for several ``dims`` on one graph, in one batch (``gi`` may differ per row if
         a list of graphs is given)."""
-        trees = self.boosters[(prim, impl)]
+        trees = self.trees[(prim, impl)]
         gis = gi if isinstance(gi, (list, tuple)) else [gi] * len(dims_list)
         rows, margins = zip(*(model_inputs(prim, g, d) for g, d in zip(gis, dims_list)))
         return np.exp(trees.predict(np.vstack(rows), np.array(margins)))
@@ -306,7 +302,7 @@ def load(path, fingerprint=None):
         raise CostModelError(
             f"granii: the cost models in {path} were made for another machine or setup "
             f"({'; '.join(diff)}): run {FIX} to profile this one")
-    boosters = {}
+    models = {}
     for key, entry in manifest["models"].items():
         prim, _, impl = key.partition("/")
         if prim not in MODEL_SIZES:
@@ -329,8 +325,8 @@ def load(path, fingerprint=None):
         if n_feat != len(want):
             raise CostModelError(f"granii: cost-model file {fpath} expects {n_feat} features, "
                                  f"its manifest {len(want)}: re-run {FIX}")
-        boosters[(prim, impl)] = trees
-    return LearnedCost(boosters, manifest, path)
+        models[(prim, impl)] = trees
+    return LearnedCost(models, manifest, path)
 
 
 _LOADED = {}

@@ -73,6 +73,8 @@ def leaf_var(leaf):
     if leaf.source[0] in ("arg", "edge", "arg_dst"):
         return _ident(leaf.source[1].replace(":", "_") +
                       ("_dst" if leaf.source[0] == "arg_dst" else ""))
+    if leaf.source[0] == "param_block":
+        return _ident(f"{leaf.source[1]}_T_block{leaf.source[2]}")
     return _ident(leaf.name)
 
 
@@ -80,7 +82,8 @@ def _when(leaf_set):
     sources = {l.source[0] for l in leaf_set}
     if sources <= {"graph", "degree", "select"}:
         return GRAPH
-    if sources & {"param", "scalar", "attr"} or any(l.sub == ir.WEIGHT for l in leaf_set):
+    if sources & {"param", "param_block", "scalar", "attr"} or any(l.sub == ir.WEIGHT
+                                                                  for l in leaf_set):
         return EVERY
     return INPUT
 

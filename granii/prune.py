@@ -50,6 +50,13 @@ def dims_le(a, b, scenario):
                for perm in itertools.permutations(a))
 
 
+def _counts(sigs):
+    out = {}
+    for p, once, _ in sigs:
+        out[(p, once)] = out.get((p, once), 0) + 1
+    return out
+
+
 def covered_by(small, big, scenario):
     """Each call of ``small`` matches a distinct call of ``big``, same primitive, no larger.
 
@@ -58,6 +65,9 @@ def covered_by(small, big, scenario):
     """
     small = [s for s in small if not (s[1] and not any(d.startswith("k") for d in s[2]))]
     if len(small) > len(big):
+        return False
+    cb = _counts(big)
+    if any(cb.get(k, 0) < n for k, n in _counts(small).items()):
         return False
 
     def match(i, used):
@@ -73,27 +83,36 @@ def covered_by(small, big, scenario):
 
 
 def survivors(sigs, scenario):
-    """Indices of the trees not dominated by another in ``scenario``."""
-    keep = []
-    for i, t in enumerate(sigs):
-        dominated = False
-        for j, s in enumerate(sigs):
-            if i == j or not covered_by(s, t, scenario):
-                continue
-            if not covered_by(t, s, scenario) or (len(s), j) < (len(t), i):
-                dominated = True
-                break
-        if not dominated:
-            keep.append(i)
-    return keep
+    """Indices of the trees not dominated by another in ``scenario``.
+
+    A skyline pass: trees are visited fewest calls first, each either dominated by one already
+    kept (dropped), or kept, dropping those it dominates. Domination is transitive, so this is
+    the all-pairs answer in O(trees x kept); among duplicates the first visited stays.
+    """
+    order = sorted(range(len(sigs)), key=lambda i: (len(sigs[i]), i))
+    kept = []
+    for i in order:
+        if any(covered_by(sigs[j], sigs[i], scenario) for j in kept):
+            continue
+        kept = [j for j in kept if not covered_by(sigs[i], sigs[j], scenario)]
+        kept.append(i)
+    return sorted(kept)
 
 
 def prune(plans):
-    """The promoted plans, each with ``scenarios`` set to those it survives; the rest dropped."""
-    sigs = [[st.sig for st in p.steps if st.sig is not None] for p in plans]
+    """The promoted plans, each with ``scenarios`` set to those it survives; the rest dropped.
+
+    Plans with the same multiset of signatures are duplicates: only the one with the fewest
+    calls (then the first) takes part."""
+    first = {}
+    for plan in sorted(plans, key=lambda p: (len(p.steps), p.index)):
+        key = tuple(sorted(st.sig for st in plan.steps if st.sig is not None))
+        first.setdefault(key, plan)
+    uniq = sorted(first.values(), key=lambda p: p.index)
+    sigs = [[st.sig for st in p.steps if st.sig is not None] for p in uniq]
     alive = {s: set(survivors(sigs, s)) for s in SCENARIOS}
     promoted = []
-    for i, plan in enumerate(plans):
+    for i, plan in enumerate(uniq):
         plan.scenarios = tuple(s for s in SCENARIOS if i in alive[s])
         if plan.scenarios:
             promoted.append(plan)

@@ -6,7 +6,7 @@ import dgl
 import dgl.function as fn
 import pytest
 import torch
-from dgl.nn import GINConv, SAGEConv, SGConv
+from dgl.nn import GATConv, GINConv, SAGEConv, SGConv, TAGConv
 from torch import nn
 
 from granii import granii
@@ -188,3 +188,53 @@ def test_gin_max_with_edge_weight_falls_back_with_reason():
     torch.testing.assert_close(layer(g, x, w), ref)
     text = granii.explain(layer, file=open("/dev/null", "w"))
     assert "fn.max with fn.u_mul_e" in text
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_tagconv(k):
+    check_layer(lambda a, b: TAGConv(a, b, k=k, activation=torch.relu))
+
+
+def test_tagconv_horner_plan_is_promoted():
+    """Factoring the hop sum (H W0 + N (H W1 + N H W2)) gives one aggregation per hop at the
+    output width; it must survive pruning for k_in >= k_out."""
+    from granii.api import _compile
+    g = GRAPHS["undirected"]()
+    layer = TAGConv(4, 3, k=2)
+    comp = _compile(layer, frozenset(), False, {"graph": g, "feat": torch.randn(40, 4),
+                                                "self": layer})
+    ge = [p for p in comp.plans if ">=" in p.scenarios]
+    assert any(p.composition().count("spmm") == 2 and
+               all(s.sig[2][-1] == "k_out" for s in p.steps
+                   if s.sig and s.prim.startswith("spmm")) for p in ge)
+
+
+def test_tagconv_with_many_hops_falls_back_with_reason():
+    g = GRAPHS["undirected"]()
+    layer = TAGConv(4, 3, k=3)
+    x = torch.randn(g.num_nodes(), 4)
+    ref = layer(g, x)
+    granii(layer, g, x)
+    torch.testing.assert_close(layer(g, x), ref)
+    assert "too many to lower" in granii.explain(layer, file=open("/dev/null", "w"))
+
+
+@pytest.mark.parametrize("heads,residual,edge_w", [(1, False, False), (1, True, True),
+                                                   (3, False, True), (3, True, False)])
+def test_gat(heads, residual, edge_w):
+    check_layer(lambda a, b: GATConv(a, b, heads, residual=residual, allow_zero_in_degree=True,
+                                     activation=torch.nn.functional.elu), edge_w=edge_w)
+    b = block()
+    layer = GATConv(6, 4, heads, residual=residual, allow_zero_in_degree=True)
+    x = feats(b, 6)
+    check_all_plans(layer, (b, x), {}, [x] + list(layer.parameters()))
+
+
+def test_gat_shows_reuse_and_recompute_compositions():
+    g = GRAPHS["undirected"]()
+    layer = GATConv(8, 16, 1, allow_zero_in_degree=True)
+    granii(layer, g, torch.randn(g.num_nodes(), 8))
+    text = granii.explain(layer, file=open("/dev/null", "w"))
+    # reuse: aggregate Theta = H W (spmm_weighted after the GEMM); recompute: aggregate H, then W
+    assert "spmm_weighted[A[" in text and "gemm[spmm_weighted[A[" in text
+    assert "<- chosen" in text

@@ -230,12 +230,38 @@ def _frame_tensor(it, graph, key, node):
 def matmul(it, a, b, node):
     if not isinstance(a, Tensor) or not isinstance(b, Tensor):
         fail(node, "matmul", "of a value that is not a tensor expression")
+    if isinstance(a.node, ir.Cat):
+        return cat_matmul(it, a.node, b, node)
     if a.ndim != 2 or b.ndim != 2:
         fail(node, "matmul of tensors with more than 2 dimensions", "not lowered yet")
     w = b.node
     if isinstance(w, ir.Leaf) and w.rows is None:
         w = fix_shape(it, w, a.node.cols)
     return Tensor(ir.matmul(a.node, w), 2)
+
+
+def cat_matmul(it, cat, w, node):
+    """``cat(X_0, ..., X_m) W = sum_i X_i W_i``, ``W_i`` the i-th block of rows of ``W``.
+
+    Summed right-nested, ``X_0 W_0 + (X_1 W_1 + (...))``, so common factors can come out."""
+    leaf = w.node
+    if not (isinstance(leaf, ir.Leaf) and leaf.source[0] == "param" and leaf.rows is None):
+        fail(node, "product of a concatenation", "only with a weight parameter")
+    widths = {p.cols for p in cat.parts}
+    if len(widths) != 1:
+        fail(node, "product of a concatenation", "of parts of different widths")
+    m = len(cat.parts)
+    cols = fix_shape(it, leaf, "?").cols
+    terms = []
+    for i, part in enumerate(cat.parts):
+        block = it.leaf(f"{leaf.name}[{i}/{m}]", part.cols, cols, ir.DENSE, ir.WEIGHT,
+                        ("param_block", leaf.source[1], i, m, leaf.transposed))
+        terms.append(ir.matmul(part, block))
+    it.leaves.pop(leaf.name, None)
+    out = terms[-1]
+    for t in reversed(terms[:-1]):
+        out = ir.Add(t, out)
+    return Tensor(out, 2)
 
 
 def fix_shape(it, leaf, rows):
@@ -388,6 +414,13 @@ def degree_method(d, name, args, kwargs, node):
 
 
 def call_function(it, func, args, kwargs, node):
+    if func is torch.cat and args and isinstance(args[0], (list, tuple)) \
+            and any(isinstance(p, Tensor) for p in args[0]):
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        parts = args[0]
+        if dim not in (-1, 1) or not all(isinstance(p, Tensor) and p.ndim == 2 for p in parts):
+            fail(node, "torch.cat", "only concatenating N x k features along columns is lowered")
+        return Tensor(ir.Cat(tuple(p.node for p in parts)), 2)
     symbolic = [a for a in list(args) + list(kwargs.values())
                 if isinstance(a, (Tensor, Degrees, Edges, Graph, Shape, GraphCondition, Scalar,
                                   HeadProduct))]
@@ -395,6 +428,9 @@ def call_function(it, func, args, kwargs, node):
         return func(*args, **kwargs)
     name = getattr(func, "__name__", type(func).__name__)
     modname = getattr(func, "__module__", "") or ""
+    owner = getattr(func, "__self__", None)
+    if isinstance(owner, (list, dict)) and not isinstance(owner, Frame):
+        return func(*args, **kwargs)          # list.append(x) and friends hold symbolic values
     if func is len and isinstance(args[0], Shape):
         return args[0].ndim
     if name == "edge_softmax" and modname.startswith("dgl") and isinstance(args[1], Edges):
@@ -449,6 +485,7 @@ def expand_as_pair(it, feat, graph, node):
 def linear(it, mod, x, node):
     attr = _attr_name(it.module, mod)
     w = param_leaf(it, attr + ".weight", mod.weight, transposed=True)
+    w = dataclasses.replace(w, source=("param", attr + ".weight"))
     out = matmul(it, x, Tensor(w, 2), node)
     if mod.bias is not None:
         b = it.leaf(attr + ".bias", "1", out.node.cols, ir.DENSE, ir.WEIGHT,

@@ -18,6 +18,7 @@ import inspect
 import io
 import sys
 import types
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,7 @@ class LayerState:
     last: object = None                              # (symbols, ranking, chosen, code) of last decision
     fallback: str = None
     calls: int = 0
+    last_input: tuple = None                         # (weakref, version) of the last features
 
 
 @dataclass
@@ -132,6 +134,7 @@ class Call:
     training: bool
     input_grad: bool
     module: object = None
+    input_repeats: bool = False
 
 
 def prepare(state, module, args, kwargs):
@@ -156,7 +159,11 @@ def prepare(state, module, args, kwargs):
     leaf_vals, symbols = _bind(state, compiled, gi, values, module)
     training = torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
     input_grad = torch.is_grad_enabled() and feat.requires_grad
-    return Call(compiled, gi, leaf_vals, symbols, id(compiled), training, input_grad, module)
+    last = state.last_input
+    repeats = last is not None and last[0]() is feat and last[1] == feat._version
+    state.last_input = (weakref.ref(feat), feat._version)
+    return Call(compiled, gi, leaf_vals, symbols, id(compiled), training, input_grad, module,
+                repeats)
 
 
 def _variant(state, module, key, values, gi):
@@ -208,11 +215,12 @@ def _make_dispatch(state, opts):
         if isinstance(call, str):
             return _fallback(state, call, args, kwargs)
         dkey = ("decision", id(state), call.key, tuple(sorted(call.symbols.items())),
-                call.training, call.input_grad)
+                call.training, call.input_grad, call.input_repeats)
         decision = call.gi.cache.get(dkey)
         if decision is None:
             ranking = rank(call.compiled.plans, call.gi, call.symbols, opts.cost_model,
-                           call.training, call.input_grad, opts.expected_calls)
+                           call.training, call.input_grad, opts.expected_calls,
+                           call.input_repeats)
             best = ranking[0]
             fn, code = compile_plan(best.plan, best.impls)
             decision = call.gi.cache[dkey] = (fn, leaf_vals_order(best.plan))

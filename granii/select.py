@@ -5,7 +5,10 @@
                  divided by ``expected_calls`` when s runs once per graph or once per input.
 
 Plans promoted only for the other embedding-size scenario are skipped first (the paper's
-"conditions using embedding sizes"), so the cost models see the rest only.
+"conditions using embedding sizes"), so the cost models see the rest only; except when the input
+features need no gradient and the same tensor came back (``input_repeats``: the first layer of a
+model on fixed features): then work on the features alone runs once per input (``A H``), which the
+scenarios did not assume, and every promoted plan is priced.
 Training (gradients needed) adds the backward of each every-call step: one more call of the
 same size per operand that needs a gradient (``dX = A^T dY`` is an SpMM, ``dW = X^T dY`` a GEMM).
 """
@@ -33,16 +36,21 @@ def scenario(symbols):
 
 
 def rank(plans, gi, symbols, model, training=False, input_grad=False,
-         expected_calls=EXPECTED_CALLS):
+         expected_calls=EXPECTED_CALLS, input_repeats=False):
     """All candidate plans for this input as ``Choice``s, cheapest first."""
     scen = scenario(symbols)
-    candidates = [p for p in plans if scen is None or scen in p.scenarios] or list(plans)
-    ranked = [price(p, gi, symbols, model, training, input_grad, expected_calls)
+    cacheable = (input_repeats and not input_grad
+                 and any(s.when == INPUT for p in plans for s in p.steps))
+    # With features that need no gradient, work on them alone is done once (once_per_input):
+    # the size scenarios assumed every call pays for it, so every promoted plan competes.
+    candidates = [p for p in plans if cacheable or scen is None or scen in p.scenarios]
+    candidates = candidates or list(plans)
+    ranked = [price(p, gi, symbols, model, training, input_grad, expected_calls, cacheable)
               for p in candidates]
     return sorted(ranked, key=lambda c: c.cost)
 
 
-def price(plan, gi, symbols, model, training, input_grad, expected_calls):
+def price(plan, gi, symbols, model, training, input_grad, expected_calls, cacheable=False):
     grad_vars = _needs_grad(plan, training, input_grad)
     impls, rows, total = [], [], 0.0
     for step in plan.steps:
@@ -55,7 +63,7 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls):
             t = model.predict(step.prim, impl, gi, dims)
             n_bwd = sum(1 for a in step.args if a in grad_vars)
             t *= 1 + n_bwd
-            amortised = step.when == GRAPH or (step.when == INPUT and not input_grad)
+            amortised = step.when == GRAPH or (step.when == INPUT and cacheable)
             options.append((t / expected_calls if amortised else t, impl))
         t, impl = min(options)
         impls.append(impl)

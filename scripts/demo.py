@@ -35,6 +35,15 @@ def train_step(model, opt, g, x, y, mask):
     return loss
 
 
+def show_choices(model, mode):
+    """The plan each layer runs now (the last decision it made), as explain() reports it."""
+    for st in layer_states(model):
+        symbols, ranking, best = st.last[:3]
+        impls = ", ".join(i for i in best.impls if i != "inline")
+        print(f"  {mode:<9} {st.name}: {symbols['k_in']} -> {symbols['k_out']}: "
+              f"{best.plan.composition()}  (kernels: {impls}; {len(ranking)} candidates)")
+
+
 def accuracy(model, g, x, y, mask):
     with torch.no_grad():
         return (model(g, x)[mask].argmax(1) == y[mask]).float().mean().item()
@@ -58,13 +67,6 @@ def main(argv=None):
     dgl_model = GCN(x.shape[1], args.hidden, int(y.max()) + 1)
     model = copy.deepcopy(dgl_model)
     granii(model, g, x)
-    for st in layer_states(model):
-        symbols, ranking, best = st.last[:3]
-        print(f"  {st.name}: {symbols['k_in']} -> {symbols['k_out']}: chose "
-              f"{best.plan.composition()}  (impls {', '.join(i for i in best.impls if i != 'inline')}; "
-              f"{len(ranking)} candidates for this size)")
-    if args.explain:
-        granii.explain(model)
 
     with torch.no_grad():
         torch.testing.assert_close(model(g, x), dgl_model(g, x), atol=1e-5, rtol=1e-4)
@@ -73,11 +75,15 @@ def main(argv=None):
     with torch.no_grad():
         inf = side_by_side({"dgl": lambda: dgl_model(g, x), "granii": lambda: model(g, x)},
                            warmup=5, repeat=51)
+    show_choices(model, "inference")
     opt_d = torch.optim.Adam(dgl_model.parameters(), lr=0.01, weight_decay=5e-4)
     opt_g = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
     tr = side_by_side({"dgl": lambda: train_step(dgl_model, opt_d, g, x, y, train),
                        "granii": lambda: train_step(model, opt_g, g, x, y, train)},
                       warmup=3, repeat=args.epochs)
+    show_choices(model, "training")
+    if args.explain:
+        granii.explain(model)
     print(f"{'':<22}{'DGL':>10}{'granii':>10}{'speedup':>10}")
     for label, res in (("forward (inference)", inf), ("training step", tr)):
         d, m = res["dgl"][0], res["granii"][0]

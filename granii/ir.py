@@ -71,11 +71,23 @@ class Leaf:
         return self.name
 
 
-@dataclass(frozen=True)
-class MatMul:
-    kind = DENSE          # an inner node's value is a dense matrix
+class _Inner:
+    """What every inner node shares: its value is a dense matrix shaped like its operand ``x``."""
+    kind = DENSE
     sub = DATA
     graph_only = False
+
+    @property
+    def rows(self):
+        return self.x.rows
+
+    @property
+    def cols(self):
+        return self.x.cols
+
+
+@dataclass(frozen=True)
+class MatMul(_Inner):
     args: tuple
 
     @property
@@ -91,30 +103,16 @@ class MatMul:
 
 
 @dataclass(frozen=True)
-class RowBroadcast:
-    kind = DENSE          # an inner node's value is a dense matrix
-    sub = DATA
-    graph_only = False
+class RowBroadcast(_Inner):
     vec: Leaf
     x: object
-
-    @property
-    def rows(self):
-        return self.x.rows
-
-    @property
-    def cols(self):
-        return self.x.cols
 
     def __str__(self):
         return f"({self.vec} (x) {self.x})"
 
 
 @dataclass(frozen=True)
-class Add:
-    kind = DENSE          # an inner node's value is a dense matrix
-    sub = DATA
-    graph_only = False
+class Add(_Inner):
     a: object
     b: object
 
@@ -131,32 +129,18 @@ class Add:
 
 
 @dataclass(frozen=True)
-class Apply:
+class Apply(_Inner):
     """A barrier: ``fn`` applied element-wise (or row-wise); ``label`` is what a person reads."""
-    kind = DENSE
-    sub = DATA
-    graph_only = False
     label: str
     x: object
     fn: object = field(compare=False, default=None)
-
-    @property
-    def rows(self):
-        return self.x.rows
-
-    @property
-    def cols(self):
-        return self.x.cols
 
     def __str__(self):
         return f"{self.label}({self.x})"
 
 
 @dataclass(frozen=True)
-class Aggregate:
-    kind = DENSE          # an inner node's value is a dense matrix
-    sub = DATA
-    graph_only = False
+class Aggregate(_Inner):
     prim: str
     x: object
 
@@ -173,33 +157,19 @@ class Aggregate:
 
 
 @dataclass(frozen=True)
-class Store:
+class Store(_Inner):
     """A barrier: ``x``, also stored on the module as ``self.<attr>`` (SGConv's cache)."""
-    kind = DENSE
-    sub = DATA
-    graph_only = False
     attr: str
     x: object
-
-    @property
-    def rows(self):
-        return self.x.rows
-
-    @property
-    def cols(self):
-        return self.x.cols
 
     def __str__(self):
         return f"store[self.{self.attr}]({self.x})"
 
 
 @dataclass(frozen=True)
-class Cat:
+class Cat(_Inner):
     """``[X_0, X_1, ...]`` concatenated along columns; only a product ``Cat . W`` is lowered, as
     ``sum_i X_i W_i`` with ``W_i`` the row blocks of ``W`` (TAGConv's hop stack)."""
-    kind = DENSE
-    sub = DATA
-    graph_only = False
     parts: tuple
 
     @property

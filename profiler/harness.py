@@ -1,0 +1,416 @@
+"""The profiling run: time every (primitive, implementation) over graphs and sizes, resumably.
+
+Records go to ``<run_dir>/points.jsonl``, one JSON line per (point, implementation):
+
+    key, prim, impl, graph, sizes, num_src, num_dst, num_edges,
+    status   "ok" | "skipped_memory" | "skipped_slow" | "error"
+    median   seconds of one forward call (median over rounds), samples (every round), iqr
+    reason   why a point was skipped or failed
+
+and the features of each graph to ``<run_dir>/graphs.jsonl``. A point's lines are written together
+and flushed, so an interrupted run loses at most the point in progress; a resumed run reads the
+keys back and skips them (skipped points included). Implementations of a point run side by side
+(``profiler.timing.side_by_side``) so load on the machine hits all of them alike.
+"""
+import gc
+import json
+import math
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from granii.featurize import FEATURE_NAMES, graph_features
+from granii.graph import GraphInfo
+from profiler import generators as gen
+from profiler import points as pts
+from profiler.timing import fix_threads, side_by_side, time_once
+
+POINTS = "points.jsonl"
+GRAPHS = "graphs.jsonl"
+_OVERHEAD = 0.02            # seconds of bookkeeping per point, for the time estimate
+_COLLECT_BYTES = 256 << 20  # garbage-collect after points and graphs larger than this
+
+
+# -- the record files ------------------------------------------------------------------------------
+def read_jsonl(path):
+    """The parseable JSON lines of ``path`` (a line cut off by an interruption is ignored)."""
+    out = []
+    if not Path(path).is_file():
+        return out
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def _append(path, rows):
+    text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+    with open(path, "a") as f:
+        f.write(text)
+        f.flush()
+
+
+def done_keys(run_dir, retry_contended=False):
+    """Keys of the points already recorded in ``run_dir``; with ``retry_contended``, without
+    those whose latest measurement was taken on a contended machine."""
+    latest = {}
+    for r in read_jsonl(Path(run_dir) / POINTS):
+        if "key" in r:
+            latest[r["key"]] = bool(r.get("contended"))
+    return {k for k, contended in latest.items() if not (retry_contended and contended)}
+
+
+def graph_table(run_dir):
+    """``{graph name: record}`` of ``graphs.jsonl`` (the last record of a name wins)."""
+    return {r["graph"]: r for r in read_jsonl(Path(run_dir) / GRAPHS) if "graph" in r}
+
+
+def graph_record(name, gi):
+    return {"graph": name, "num_src": gi.num_src, "num_dst": gi.num_dst,
+            "num_edges": gi.num_edges, "is_block": bool(gi.is_block),
+            "feature_names": list(FEATURE_NAMES), "features": graph_features(gi)}
+
+
+# -- size estimates for the progress bar -----------------------------------------------------------
+def approx_size(name):
+    """``(nodes, edges)`` a corpus name will roughly have, without building it."""
+    fam, p = gen.parse_name(name)
+    two = lambda: 2 if p.get("undirected", 1) else 1
+    if fam == "rmat":
+        n = 2 ** p["scale"]
+        return n, int(0.85 * two() * p.get("edge_factor", 16) * n)
+    if fam == "uniform":
+        return p["n"], two() * p["m"]
+    if fam == "grid2d":
+        return p["rows"] * p["cols"], 4 * p["rows"] * p["cols"]
+    if fam == "road":
+        return p["n"], int(2.8 * p["n"])
+    if fam == "community":
+        return p["n"], int(p["n"] * p["degree"])
+    if fam == "mycielskian":
+        n, m = gen.mycielskian_size(p["k"])
+        return n, 2 * m
+    if fam == "sample":
+        bn, be = approx_size(p["base"])
+        seeds = p.get("num_seeds") or int(p["fraction"] * bn)
+        fan = p.get("fanout")
+        if fan is None:
+            return seeds, int(be * (seeds / max(bn, 1)) ** 2)
+        hops = [fan] if not isinstance(fan, list) else fan
+        deg = be / max(bn, 1)
+        e, frontier = 0, seeds
+        for f in hops:
+            e += frontier * min(f, deg)
+            frontier = frontier * min(f, deg)
+        return int(seeds + e), int(e)
+    return 1000, 10000
+
+
+def _weight(config, prim, sizes, n_impls, n_src=0, n_dst=0, e=0):
+    """Estimated seconds of one point: warm-up and repeat rounds of all implementations."""
+    est = pts.estimate(prim, sizes, n_src, n_dst, e) * n_impls
+    if est > config.max_call:
+        return _OVERHEAD
+    t = est * 1.5       # the baseline is optimistic
+    repeat = config.repeat_fast if t < 1e-3 else config.repeat
+    return min(t * (config.warmup + repeat), t * (config.warmup + 3) + config.budget) + _OVERHEAD
+
+
+# -- measuring -------------------------------------------------------------------------------------
+def measure(fns, config, est):
+    """``{impl: (median, samples)}`` of the callables ``fns`` timed side by side."""
+    repeat = config.repeat_fast if est < 1e-3 else config.repeat
+    with torch.no_grad():
+        return side_by_side(fns, warmup=config.warmup, repeat=repeat, budget=config.budget)
+
+
+class Probe:
+    """A contention check: a small parallel SpMM (2,000 nodes, 16,000 edges, ``k = 32``, about
+    0.2 ms alone on 2 cores). When other processes keep the cores busy, a parallel kernel waits a
+    scheduler time slice (milliseconds) for a descheduled thread, and the median of 3 probe runs
+    rises above ``threshold``: the machine is contended and timings would measure the wait.
+    """
+
+    def __init__(self, threshold=2e-3):
+        import dgl
+        self.threshold = threshold
+        g = gen.uniform(2000, 16000, seed=1)
+        x = torch.randn(2000, 32, generator=torch.Generator().manual_seed(0))
+        self.fn = lambda: dgl.ops.copy_u_sum(g, x)
+        self.fn()
+        self.last = (-math.inf, math.inf)       # (when, seconds) of the latest probe
+
+    def seconds(self, runs=3):
+        with torch.no_grad():
+            t = statistics.median(time_once(self.fn) for _ in range(runs))
+        self.last = (time.perf_counter(), t)
+        return t
+
+    def wait_quiet(self, max_wait, fresh=1.0):
+        """Probe (or reuse a probe taken less than ``fresh`` seconds ago), sleeping while
+        contended for up to ``max_wait`` seconds; returns ``(last probe seconds, seconds waited)``."""
+        at, t = self.last
+        if time.perf_counter() - at > fresh:
+            t = self.seconds()
+        waited = 0.0
+        while t > self.threshold and waited < max_wait:
+            pause = min(2.0, max_wait - waited)
+            time.sleep(pause)
+            waited += pause
+            t = self.seconds()
+        return t, waited
+
+
+def _iqr(samples):
+    if len(samples) < 4:
+        return max(samples) - min(samples)
+    q = statistics.quantiles(samples, n=4)
+    return q[2] - q[0]
+
+
+def _rows(key, prim, impls, graph, sizes, shape, status, timings=None, reason=None, probe=None):
+    n_src, n_dst, e = shape
+    rows = []
+    for impl in impls:
+        r = {"key": key, "prim": prim, "impl": impl, "graph": graph, "sizes": sizes,
+             "num_src": n_src, "num_dst": n_dst, "num_edges": e, "status": status}
+        if timings is not None:
+            med, samples = timings[impl]
+            r.update(median=med, min=min(samples), iqr=_iqr(samples),
+                     samples=[round(s, 9) for s in samples])
+        if probe is not None:
+            r.update(probe=probe[0], contended=probe[1])
+        if reason:
+            r["reason"] = reason
+        rows.append(r)
+    return rows
+
+
+class _Run:
+    """State of one profiling run: config, files, done keys, counters, progress bar."""
+
+    def __init__(self, config, run_dir, resume, log, retry_contended=False):
+        self.config = config
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.points = self.dir / POINTS
+        self.graphs = self.dir / GRAPHS
+        if not resume:
+            for p in (self.points, self.graphs):
+                p.unlink(missing_ok=True)
+        self.done = done_keys(self.dir, retry_contended)
+        self.known_graphs = graph_table(self.dir)
+        self.log = log
+        self.counts = {}
+        self.mem_limit = config.mem_fraction * pts.available_bytes()
+        self.bar = None
+        self.probe = Probe()
+        self.wait_left = config.wait_budget
+        self.waited = 0.0
+
+    def count(self, prim, status):
+        self.counts.setdefault(prim, {}).setdefault(status, 0)
+        self.counts[prim][status] += 1
+
+    def write(self, rows, prim, status, weight):
+        _append(self.points, rows)
+        self.done.add(rows[0]["key"])
+        self.count(prim, status)
+        if self.bar is not None:
+            self.bar.update(weight)
+
+    def run_point(self, prim, impls, graph, sizes, make_fns, shape, slow):
+        """Measure one point (or record why not); returns the seconds of one round of all impls."""
+        key = pts.point_key(prim, graph, sizes)
+        weight = _weight(self.config, prim, sizes, len(impls), *shape)
+        if key in self.done:
+            self.count(prim, "resumed")
+            if self.bar is not None:
+                self.bar.update(weight)
+            return None
+        est = pts.estimate(prim, sizes, *shape)
+        need = pts.point_bytes(prim, sizes, *shape)
+        if need > self.mem_limit:
+            reason = f"needs about {need / 2**30:.1f} GiB, limit {self.mem_limit / 2**30:.1f} GiB"
+            self.write(_rows(key, prim, impls, graph, sizes, shape, "skipped_memory",
+                             reason=reason), prim, "skipped_memory", weight)
+            return None
+        if slow or est * len(impls) > self.config.max_call:
+            reason = slow or f"estimated {est * len(impls):.2f} s per round"
+            self.write(_rows(key, prim, impls, graph, sizes, shape, "skipped_slow",
+                             reason=reason), prim, "skipped_slow", weight)
+            return None
+        try:
+            fns = make_fns()
+            before, waited = self.probe.wait_quiet(min(self.config.max_wait, self.wait_left))
+            self.wait_left -= waited
+            self.waited += waited
+            timings = measure(fns, self.config, est)
+            after = self.probe.seconds()
+        except (RuntimeError, MemoryError, ValueError) as e:
+            self.write(_rows(key, prim, impls, graph, sizes, shape, "error",
+                             reason=f"{type(e).__name__}: {str(e)[:300]}"), prim, "error", weight)
+            return None
+        finally:
+            fns = None
+            if need > _COLLECT_BYTES:
+                gc.collect()
+        contended = max(before, after) > self.probe.threshold
+        self.write(_rows(key, prim, impls, graph, sizes, shape, "ok", timings,
+                         probe=(max(before, after), contended)), prim, "ok", weight)
+        if contended:
+            self.count(prim, "contended")
+        return sum(m for m, _ in timings.values())
+
+    def run_series(self, prim, impls, graph, series, make, shape):
+        """Points of one (primitive, graph) in increasing work; once a round takes longer than
+        ``max_call`` the larger ones are recorded as skipped."""
+        slow = None
+        for sizes in series:
+            t = self.run_point(prim, impls, graph, sizes, lambda s=sizes: make(s), shape, slow)
+            if t is not None and t > self.config.max_call and slow is None:
+                slow = f"a smaller size took {t:.2f} s per round"
+
+
+def plan_weight(config, prims):
+    """Estimated total seconds of a run (before resuming) and its number of points."""
+    total, n = 0.0, 0
+    for prim, impls in prims:
+        if prim in pts.DENSE_PRIMS:
+            for sizes in pts.dense_points(prim, config):
+                total += _weight(config, prim, sizes, len(impls))
+                n += 1
+    for name, _ in pts.graph_jobs(config):
+        nodes, e = approx_size(name)
+        for prim, impls in prims:
+            if prim in pts.GRAPH_PRIMS:
+                for sizes in pts.graph_sizes(prim, config):
+                    total += _weight(config, prim, sizes, len(impls), nodes, nodes, e)
+                    n += 1
+    return total, n
+
+
+def profile(config, run_dir, threads=2, resume=True, progress=True, log=print,
+            retry_contended=False):
+    """Run (or resume) the profiling of ``config`` into ``run_dir``; returns a summary dict.
+    ``retry_contended`` measures again the points recorded while the machine was contended (the
+    newer records then take precedence in training)."""
+    previous = torch.get_num_threads()
+    threads = fix_threads(threads)
+    try:
+        return _profile(config, run_dir, threads, resume, progress, log, retry_contended)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _profile(config, run_dir, threads, resume, progress, log, retry_contended):
+    prims = [(p, i) for p, i in pts.registered(config.prims)]
+    run = _Run(config, run_dir, resume, log, retry_contended)
+    total, n_points = plan_weight(config, prims)
+    start = time.perf_counter()
+    log(f"granii: profiling '{config.name}' with {threads} threads: {n_points} points "
+        f"({len(run.done)} already recorded) over {len(pts.graph_jobs(config))} graphs and the "
+        f"dense grids; records in {run.dir}")
+    if progress:
+        from tqdm import tqdm
+        run.bar = tqdm(total=round(total, 3), unit="s", unit_scale=False, dynamic_ncols=True,
+                       bar_format="{l_bar}{bar}| [{elapsed}<{remaining}] {postfix}",
+                       desc="profiling", smoothing=0.05)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is in beta")
+            _dense(run, prims)
+            _graphs(run, prims)
+    finally:
+        if run.bar is not None:
+            run.bar.close()
+    seconds = time.perf_counter() - start
+    summary = {"config": config.name, "threads": threads, "seconds": seconds,
+               "waited": run.waited, "counts": run.counts, "run_dir": str(run.dir)}
+    log(format_summary(summary))
+    return summary
+
+
+def _dense(run, prims):
+    for prim, impls in prims:
+        if prim not in pts.DENSE_PRIMS:
+            continue
+        if run.bar is not None:
+            run.bar.set_postfix_str(prim)
+        grid = pts.dense_points(prim, run.config)
+        # rows of the grid that grow in their last size: GEMM (m, k) over n, row scaling n over k
+        last = "n" if prim == "gemm" else "k"
+        series = {}
+        for sizes in grid:
+            series.setdefault(tuple(v for k, v in sizes.items() if k != last), []).append(sizes)
+        for group in series.values():
+            run.run_series(prim, impls, pts.DENSE, group,
+                           lambda s, p=prim, i=impls: pts.runners(p, None, s, i), (0, 0, 0))
+
+
+def _graphs(run, prims):
+    jobs = pts.graph_jobs(run.config)
+    graph_prims = [(p, i) for p, i in prims if p in pts.GRAPH_PRIMS]
+    prev_name, prev_g = None, None
+    for name, base in jobs:
+        keys = [pts.point_key(p, name, s) for p, _ in graph_prims
+                for s in pts.graph_sizes(p, run.config)]
+        if all(k in run.done for k in keys) and name in run.known_graphs:
+            for p, impls in graph_prims:
+                for s in pts.graph_sizes(p, run.config):
+                    rec = run.known_graphs[name]
+                    run.count(p, "resumed")
+                    if run.bar is not None:
+                        run.bar.update(_weight(run.config, p, s, len(impls), rec["num_src"],
+                                               rec["num_dst"], rec["num_edges"]))
+            continue
+        if run.bar is not None:
+            run.bar.set_postfix_str(f"building {name[:48]}")
+        if base is not None and base == prev_name and prev_g is not None:
+            params = gen.parse_name(name)[1]
+            params.pop("base")
+            g = gen.sample_subgraph(prev_g, **params)
+        else:
+            prev_g = None
+            g = gen.build(name)
+        gi = GraphInfo(g)
+        shape = (gi.num_src, gi.num_dst, gi.num_edges)
+        if name not in run.known_graphs:
+            rec = graph_record(name, gi)
+            _append(run.graphs, [rec])
+            run.known_graphs[name] = rec
+        if run.bar is not None:
+            run.bar.set_postfix_str(f"E={gi.num_edges:,} {name[:40]}")
+        for prim, impls in graph_prims:
+            run.run_series(prim, impls, name, pts.graph_sizes(prim, run.config),
+                           lambda s, p=prim, i=impls: pts.runners(p, gi, s, i), shape)
+        if base is None:
+            prev_name, prev_g = name, g
+        del gi, g
+        if 64 * shape[2] > _COLLECT_BYTES:
+            gc.collect()
+
+
+def format_summary(summary):
+    """Readable table of a run's counts per primitive."""
+    statuses = ["ok", "contended", "resumed", "skipped_memory", "skipped_slow", "error"]
+    lines = [f"granii: profiling '{summary['config']}' finished in "
+             f"{summary['seconds'] / 60:.1f} min ({summary['threads']} threads); "
+             f"points per primitive:",
+             f"  {'primitive':<15}" + "".join(f"{s:>15}" for s in statuses)]
+    tot = dict.fromkeys(statuses, 0)
+    for prim, c in summary["counts"].items():
+        lines.append(f"  {prim:<15}" + "".join(f"{c.get(s, 0):>15}" for s in statuses))
+        for s in statuses:
+            tot[s] += c.get(s, 0)
+    lines.append(f"  {'total':<15}" + "".join(f"{tot[s]:>15}" for s in statuses))
+    lines.append(f"  ({summary.get('waited', 0):.0f} s waited for other processes to leave the cores; "
+                 "'contended': measured while they did not, kept in 'ok')")
+    lines.append(f"  records: {summary['run_dir']}")
+    return "\n".join(lines)

@@ -1,0 +1,236 @@
+"""What the profiler measures: the configurations, the graphs and sizes, and each primitive's inputs.
+
+A *point* is one (primitive, graph or ``"dense"``, sizes) cell; every implementation of the
+primitive is timed on it side by side. Sparse primitives run on the corpus graphs
+(``profiler.generators.corpus``) plus one-hop neighbour-sampled blocks of some of them, over the
+embedding sizes ``k`` (or the head counts of edge scores); the dense ones on size grids alone:
+GEMM on ``(m, k, n)`` (``m`` rows of ``X``, ``X W`` with ``W`` of shape ``k x n``) and the row
+scaling on ``(n, k)``.
+
+Inputs are those the layers pass: float features, float edge values (a normalised adjacency) for
+``spmm_weighted``, degree powers ``D^-1/2`` for ``sddmm_scale``, ``(n, heads, 1)`` attention terms
+for ``sddmm_add`` and ``(E, heads, 1)`` scores for ``edge_softmax``.
+"""
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from granii import kernels
+from granii.learned import MODEL_SIZES, baseline_seconds
+from profiler import generators as gen
+
+DENSE = "dense"
+GRAPH_PRIMS = ["spmm", "spmm_weighted", "spmm_mean", "spmm_max", "sddmm_scale", "sddmm_add",
+               "edge_softmax"]
+DENSE_PRIMS = ["gemm", "row_scale"]
+
+
+@dataclass
+class Config:
+    """One profiling run.
+
+    ``graphs``: corpus names (``generators.build`` rebuilds each); ``blocks_every``: add a one-hop
+    sampled block of every this-many-th non-sampled graph (0: none). ``ks``: embedding sizes of the
+    SpMMs; ``heads``: head counts of the edge-score primitives. ``gemm_m``/``gemm_kn``: the GEMM
+    grid (``k`` and ``n`` both from ``gemm_kn``); ``row_n``/``row_k``: the row-scaling grid.
+    ``max_call``: a point whose implementations take longer than this together (seconds per round)
+    ends the larger sizes of its (primitive, graph); points whose baseline estimate already exceeds
+    it are not run. ``mem_fraction``: the share of available memory one point may use.
+    ``max_wait``/``wait_budget``: how long to wait for other processes to leave the cores before
+    a point (see ``harness.Probe``); points measured while contended are flagged.
+    """
+    name: str
+    graphs: list
+    ks: list
+    heads: list = field(default_factory=lambda: [1, 4])
+    prims: list = field(default_factory=lambda: GRAPH_PRIMS + DENSE_PRIMS)
+    blocks_every: int = 0
+    gemm_m: list = field(default_factory=list)
+    gemm_kn: list = field(default_factory=list)
+    row_n: list = field(default_factory=list)
+    row_k: list = field(default_factory=list)
+    warmup: int = 2
+    repeat: int = 7
+    repeat_fast: int = 15          # repeats of points whose baseline is under 1 ms
+    budget: float = 2.0            # seconds of repeats per point after the first 3 rounds
+    max_call: float = 1.0
+    mem_fraction: float = 0.4
+    max_wait: float = 5.0          # seconds a point waits for a contended machine to calm down
+    wait_budget: float = 300.0     # seconds all points together may wait
+
+
+def quick_config():
+    """A few minutes: every other graph of the quick corpus, four sizes, small grids."""
+    names = [n for n, _ in gen.corpus("quick")]
+    return Config("quick", graphs=names[::2], ks=[16, 64, 256, 1024], heads=[1, 4],
+                  blocks_every=4, gemm_m=[300, 2708, 20000, 150000],
+                  gemm_kn=[16, 64, 256, 1024], row_n=[300, 5000, 80000, 1000000],
+                  row_k=[16, 64, 256, 1024], warmup=1, repeat=5, repeat_fast=9, budget=0.6,
+                  max_call=0.25, max_wait=2.0, wait_budget=60.0)
+
+
+def full_config():
+    """About 30-60 minutes: the full corpus, sizes 16..2048, finer grids."""
+    names = [n for n, _ in gen.corpus("full")]
+    return Config("full", graphs=names, ks=[16, 32, 64, 128, 256, 512, 1024, 2048],
+                  heads=[1, 2, 4, 8], blocks_every=3,
+                  gemm_m=[int(m) for m in np.geomspace(100, 4e6, 12).round(-1)],
+                  gemm_kn=[16, 32, 64, 128, 256, 512, 1024, 2048, 47, 100, 500, 1433],
+                  row_n=[int(m) for m in np.geomspace(100, 4e6, 8).round(-1)],
+                  row_k=[16, 64, 256, 1024, 2048, 100, 500],
+                  warmup=2, repeat=7, repeat_fast=15, budget=1.0, max_call=0.5, max_wait=2.0,
+                  wait_budget=300.0)
+
+
+CONFIGS = {"quick": quick_config, "full": full_config}
+
+
+# -- graphs ----------------------------------------------------------------------------------------
+def block_name(base_name, i):
+    """Corpus name of a one-hop neighbour-sampled block of graph ``base_name``: seeds a share
+    0.05, 0.125 or 0.25 of the nodes, fanout 5, 10 or 25 (by ``i``)."""
+    return gen.spec_name("sample", fraction=(0.05, 0.125, 0.25)[i % 3], fanout=(5, 10, 25)[i % 3],
+                         seed=9000 + i, block=True, base=base_name)
+
+
+def _family(name):
+    fam = name.partition(":")[0]
+    return fam + ("-directed" if "undirected=0" in name else "")
+
+
+def graph_jobs(config):
+    """``[(name, base)]`` in run order. ``base`` is ``None`` (build from the name) or the name of
+    the graph just before, which the block ``name`` is sampled from (so the base is not rebuilt).
+
+    The families take turns (first graph of each, then the second of each, ...), so an
+    interrupted run has covered every family, up to some size.
+    """
+    by_family = {}
+    for name in config.graphs:
+        by_family.setdefault(_family(name), []).append(name)
+    order = [n for group in itertools.zip_longest(*by_family.values()) for n in group if n]
+    jobs = []
+    plain = 0
+    for name in order:
+        jobs.append((name, None))
+        if config.blocks_every and not name.startswith(("sample:", "mycielskian:")):
+            if plain % config.blocks_every == 0:
+                jobs.append((block_name(name, plain // config.blocks_every), name))
+            plain += 1
+    return jobs
+
+
+# -- points ----------------------------------------------------------------------------------------
+def graph_sizes(prim, config):
+    """The size dicts of a sparse primitive, increasing in work."""
+    names = MODEL_SIZES[prim][1]
+    if not names:
+        return [{}]
+    if names == ("k",):
+        return [{"k": k} for k in sorted(config.ks)]
+    return [{"heads": h} for h in sorted(config.heads)]
+
+
+def dense_points(prim, config):
+    """Size dicts of a dense primitive's grid, ordered so each (m, k) row grows in ``n``."""
+    if prim == "gemm":
+        return [{"m": m, "k": k, "n": n} for m in sorted(config.gemm_m)
+                for k in sorted(config.gemm_kn) for n in sorted(config.gemm_kn)]
+    return [{"n": n, "k": k} for n in sorted(config.row_n) for k in sorted(config.row_k)]
+
+
+def point_key(prim, graph, sizes):
+    """The resume key of a point: primitive, graph name (or ``"dense"``), sorted sizes."""
+    return f"{prim}|{graph}|" + ",".join(f"{k}={sizes[k]}" for k in sorted(sizes))
+
+
+def point_bytes(prim, sizes, n_src=0, n_dst=0, e=0):
+    """Rough peak bytes of one point: inputs, output, index structures and a temporary."""
+    f = 4
+    if prim == "gemm":
+        m, k, n = sizes["m"], sizes["k"], sizes["n"]
+        return f * (m * k + k * n + 2 * m * n)
+    if prim == "row_scale":
+        return 3 * f * sizes["n"] * sizes["k"]
+    index = 48 * e + 16 * (n_src + n_dst)         # two CSRs (int64), int32 copies, edge ids
+    if prim.startswith("spmm"):
+        return index + f * sizes["k"] * (n_src + 3 * n_dst) + 2 * f * e
+    h = sizes.get("heads", 1)
+    return index + 4 * f * e * h + f * h * (n_src + n_dst)
+
+
+def estimate(prim, sizes, n_src=0, n_dst=0, e=0):
+    """Baseline seconds of one call of one implementation (for skipping and for progress)."""
+    dims = dict(sizes)
+    if prim.startswith("spmm") or prim == "row_scale":
+        dims.setdefault("n", n_dst)
+    return baseline_seconds(prim, dims, n_src, n_dst, e)
+
+
+def available_bytes():
+    """``MemAvailable`` of /proc/meminfo (or 8 GiB when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+# -- inputs ----------------------------------------------------------------------------------------
+def graph_inputs(prim, gi, sizes, seed=0):
+    """Arguments after ``gi`` of a call of ``prim`` on ``gi`` with ``sizes`` (no grad)."""
+    gen_ = torch.Generator().manual_seed(seed)
+    n_src, n_dst, e = gi.num_src, gi.num_dst, gi.num_edges
+    if prim.startswith("spmm"):
+        x = torch.randn(n_src, sizes["k"], generator=gen_)
+        if prim == "spmm_weighted":
+            d_in = gi.in_degrees().clamp(min=1).pow(-0.5)
+            d_out = gi.out_degrees().clamp(min=1).pow(-0.5)
+            src, dst = gi.edges()
+            w = (d_in[dst] * d_out[src]).contiguous()
+            return (w, x)
+        return (x,)
+    if prim == "sddmm_scale":
+        d_dst = gi.in_degrees().clamp(min=1).pow(-0.5)
+        d_src = gi.out_degrees().clamp(min=1).pow(-0.5)
+        return (d_dst, None, d_src)
+    h = sizes["heads"]
+    if prim == "sddmm_add":
+        return (torch.randn(n_src, h, 1, generator=gen_), torch.randn(n_dst, h, 1, generator=gen_))
+    if prim == "edge_softmax":
+        return (torch.randn(e, h, 1, generator=gen_),)
+    raise KeyError(f"granii: no profiling inputs for {prim}")
+
+
+def dense_inputs(prim, sizes, seed=0):
+    gen_ = torch.Generator().manual_seed(seed)
+    if prim == "gemm":
+        return (torch.randn(sizes["m"], sizes["k"], generator=gen_),
+                torch.randn(sizes["k"], sizes["n"], generator=gen_))
+    return (torch.rand(sizes["n"], generator=gen_) + 0.5,
+            torch.randn(sizes["n"], sizes["k"], generator=gen_))
+
+
+def runners(prim, gi, sizes, impls):
+    """``{impl: zero-argument callable}`` running ``prim`` by each implementation on one input."""
+    if gi is None:
+        args = dense_inputs(prim, sizes)
+        return {i: (lambda fn=kernels.get(prim, i): fn(*args)) for i in impls}
+    args = graph_inputs(prim, gi, sizes)
+    return {i: (lambda fn=kernels.get(prim, i): fn(gi, *args)) for i in impls}
+
+
+def registered(prims):
+    """``[(prim, [impls])]`` of the primitives in ``prims`` that the kernel registry has."""
+    return [(p, kernels.implementations(p)) for p in prims
+            if p in kernels.REGISTRY and p in MODEL_SIZES]
+
+
+def log2_round(x):
+    return round(math.log2(max(x, 1)), 1)

@@ -1,0 +1,207 @@
+"""Training: one XGBoost regressor per (primitive, implementation) from a profiling run's records.
+
+Target ``log(median seconds)`` with base margin ``log(baseline seconds)`` (``granii.learned``);
+features ``granii.learned.model_features``, computed for the recorded graphs from their stored
+graph features so training and prediction share one code path. Scores: the points are split by
+graph (``GroupShuffleSplit``, a quarter of the graphs held out; for the dense primitives by ``m``
+resp. ``n``) so validation graphs are unseen; a model is fit on the training part and scored on
+the held-out part (MAPE of seconds, Spearman rank correlation), then refit on all points with the
+same parameters; that model is saved, with its scores on all points as the training scores.
+Everything is seeded: the same records give the same models.
+"""
+import datetime
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from granii.featurize import FEATURE_NAMES
+from granii.learned import (BASELINE, FORMAT, MANIFEST, MODEL_SIZES, model_feature_names,
+                            model_file, model_inputs)
+from granii.fingerprint import fingerprint_id
+from granii.graph import GraphInfo
+from profiler import generators as gen
+from profiler.harness import GRAPHS, POINTS, _append, graph_record, graph_table, read_jsonl
+from profiler.points import DENSE
+
+PARAMS = dict(n_estimators=160, max_depth=5, learning_rate=0.1, min_child_weight=2.0,
+              subsample=0.85, colsample_bytree=0.85, reg_lambda=1.0, tree_method="hist",
+              max_bin=128, random_state=0, n_jobs=1)
+HOLDOUT = 0.25
+
+
+class StoredGraph:
+    """A profiled graph known by its recorded sizes and features: what ``featurize`` and the
+    baseline read from a ``GraphInfo``."""
+
+    def __init__(self, rec):
+        self.num_src, self.num_dst, self.num_edges = rec["num_src"], rec["num_dst"], rec["num_edges"]
+        self.is_block = rec.get("is_block", False)
+        self.cache = {"graph_features": dict(rec["features"])}
+
+    def memo(self, key, compute):
+        if key not in self.cache:
+            raise KeyError(f"granii: a stored graph has no {key!r}; only its features")
+        return self.cache[key]
+
+
+def graph_views(run_dir, names, log=print):
+    """``{name: StoredGraph}``; graphs recorded with another feature set are rebuilt and
+    featurized again (and the new record appended)."""
+    table = graph_table(run_dir)
+    views = {}
+    for name in names:
+        rec = table.get(name)
+        if rec is None or rec.get("feature_names") != list(FEATURE_NAMES):
+            log(f"granii: recomputing the features of {name[:60]} (feature set changed)")
+            g = gen.build(name)
+            rec = graph_record(name, GraphInfo(g))
+            _append(Path(run_dir) / GRAPHS, [rec])
+        views[name] = StoredGraph(rec)
+    return views
+
+
+def ok_records(run_dir):
+    """The measured points of a run (the last record of a (key, impl) wins)."""
+    recs = {}
+    for r in read_jsonl(Path(run_dir) / POINTS):
+        if r.get("status") == "ok" and r.get("median") and r["median"] > 0:
+            recs[(r["key"], r["impl"])] = r
+    return list(recs.values())
+
+
+def _group(r):
+    if r["graph"] != DENSE:
+        return r["graph"]
+    s = r["sizes"]
+    return f"m={s['m']}" if "m" in s else f"n={s['n']}"
+
+
+def usable(records, prim, impl):
+    """The points of one (primitive, implementation) to train on, and how many of them were
+    measured while the machine was contended: those are left out unless fewer than 8 points
+    remain (a time taken while another process held a core can be 100 times the kernel's)."""
+    rows = sorted((r for r in records if r["prim"] == prim and r["impl"] == impl),
+                  key=lambda r: r["key"])
+    clean = [r for r in rows if not r.get("contended")]
+    if len(clean) >= 8:
+        return clean, 0
+    return rows, len(rows) - len(clean)
+
+
+def dataset(records, views, prim, impl):
+    """``(X, y, margin, groups)`` of one (primitive, implementation): features, log seconds,
+    log baseline seconds, and the group (graph) of each point (see ``usable``)."""
+    rows, _ = usable(records, prim, impl)
+    X, y, margin, groups = [], [], [], []
+    for r in rows:
+        gi = None if r["graph"] == DENSE else views[r["graph"]]
+        x, m = model_inputs(prim, gi, dict(r["sizes"]))
+        X.append(x)
+        margin.append(m)
+        y.append(math.log(r["median"]))
+        groups.append(_group(r))
+    return np.vstack(X), np.array(y), np.array(margin), np.array(groups)
+
+
+def fit(X, y, margin, params=None):
+    import xgboost as xgb
+    model = xgb.XGBRegressor(**(params or PARAMS))
+    model.fit(X, y, base_margin=margin, verbose=False)
+    return model.get_booster()
+
+
+def predict_log(booster, X, margin):
+    return np.asarray(booster.inplace_predict(X, base_margin=margin), dtype=np.float64)
+
+
+def scores(pred_log, true_log):
+    """``{"mape", "spearman", "n"}`` of predicted vs measured seconds."""
+    from scipy.stats import spearmanr
+    pred, true = np.exp(pred_log), np.exp(true_log)
+    out = {"n": int(len(true)), "mape": float(np.mean(np.abs(pred - true) / true))}
+    rho = spearmanr(pred, true).statistic if len(true) > 2 else float("nan")
+    out["spearman"] = None if not np.isfinite(rho) else float(rho)
+    return out
+
+
+def split(groups, seed=0):
+    """Train and held-out indices, whole groups on one side; ``None`` with fewer than 2 groups."""
+    from sklearn.model_selection import GroupShuffleSplit
+    if len(set(groups)) < 2:
+        return None
+    gss = GroupShuffleSplit(n_splits=1, test_size=HOLDOUT, random_state=seed)
+    return next(gss.split(np.zeros(len(groups)), groups=groups))
+
+
+def train_one(X, y, margin, groups, params=None):
+    """``(booster fit on all points, training scores, validation scores or None)``."""
+    val = None
+    parts = split(groups)
+    if parts is not None:
+        tr, te = parts
+        b = fit(X[tr], y[tr], margin[tr], params)
+        val = scores(predict_log(b, X[te], margin[te]), y[te])
+        val["graphs"] = int(len(set(groups[te])))
+    booster = fit(X, y, margin, params)
+    return booster, scores(predict_log(booster, X, margin), y), val
+
+
+def train(run_dir, out_dir, fingerprint, params=None, run_info=None, log=print):
+    """Train every (primitive, implementation) with measured points in ``run_dir`` and write the
+    models and ``manifest.json`` to ``out_dir`` (replaced as a whole at the end). Returns the
+    manifest."""
+    records = ok_records(run_dir)
+    if not records:
+        raise RuntimeError(f"granii: no measured points in {run_dir}: run the profiler first")
+    names = sorted({r["graph"] for r in records if r["graph"] != DENSE})
+    views = graph_views(run_dir, names, log)
+    pairs = sorted({(r["prim"], r["impl"]) for r in records if r["prim"] in MODEL_SIZES})
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    params = dict(params or PARAMS)
+    models = {}
+    for prim, impl in pairs:
+        X, y, margin, groups = dataset(records, views, prim, impl)
+        booster, tr, val = train_one(X, y, margin, groups, params)
+        fname = model_file(prim, impl)
+        booster.save_model(str(tmp / fname))
+        models[f"{prim}/{impl}"] = {
+            "file": fname, "features": model_feature_names(prim),
+            "sizes": list(MODEL_SIZES[prim][1]), "baseline": BASELINE,
+            "points": int(len(y)), "graphs": int(len(set(groups))),
+            "contended_points": usable(records, prim, impl)[1],
+            "train": tr, "validation": val,
+        }
+        v = f"MAPE {val['mape']:.1%}, Spearman {val['spearman']:.3f}" if val and \
+            val["spearman"] is not None else "no held-out graphs"
+        log(f"  {prim + '/' + impl:<26} {len(y):>5} points  train MAPE {tr['mape']:.1%}  "
+            f"held-out: {v}")
+    manifest = {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "fingerprint_id": fingerprint_id(fingerprint),
+        "cpu_model": fingerprint["cpu_model"],
+        "threads": fingerprint["threads"],
+        "library_versions": {k: fingerprint[k] for k in ("torch", "dgl", "xgboost")},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "target": "log(seconds) = log(baseline seconds) + sum of trees(features)",
+        "baseline": BASELINE,
+        "params": params,
+        "holdout": {"by": "graph (dense: m or n)", "fraction": HOLDOUT, "seed": 0},
+        "training_points": int(sum(m["points"] for m in models.values())),
+        "run": run_info or {},
+        "models": models,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    old = out_dir.with_name(out_dir.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        out_dir.rename(old)
+    tmp.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return manifest

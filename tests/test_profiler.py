@@ -1,0 +1,157 @@
+"""The profiling harness and training, end to end on a tiny configuration (no timing asserted)."""
+import json
+
+import pytest
+
+from granii.fingerprint import machine_fingerprint
+from granii.graph import GraphInfo
+from granii.learned import LearnedCost, load
+from profiler import generators as gen
+from profiler import points as pts
+from profiler import harness
+from profiler.harness import POINTS, approx_size, done_keys, read_jsonl
+from profiler.train import train
+
+GRAPHS = ["uniform:n=200,m=800,seed=0,undirected=0", "grid2d:rows=10,cols=12"]
+
+
+def tiny(**kw):
+    cfg = dict(graphs=GRAPHS, ks=[16, 32], heads=[1], prims=["spmm", "gemm"], blocks_every=0,
+               gemm_m=[64, 128], gemm_kn=[16, 32], warmup=1, repeat=2, repeat_fast=2,
+               budget=0.05, max_wait=0.0, wait_budget=0.0)
+    cfg.update(kw)
+    return pts.Config("tiny", **cfg)
+
+
+def _quiet(*a, **k):
+    pass
+
+
+def profile(config, run_dir, **kw):
+    """The harness at one thread: these tests check records, not times, and one thread keeps
+    them fast when other processes hold the cores."""
+    return harness.profile(config, run_dir, threads=1, **kw)
+
+
+def _points(run_dir):
+    return read_jsonl(run_dir / POINTS)
+
+
+def test_end_to_end_produces_a_loadable_model(tmp_path):
+    run = tmp_path / "run"
+    summary = profile(tiny(), run, progress=False, log=_quiet)
+    recs = _points(run)
+    # 2 graphs x 2 sizes x 2 spmm impls + 2 x 2 x 2 gemm points
+    assert len(recs) == 2 * 2 * 2 + 8
+    assert {r["status"] for r in recs} == {"ok"}
+    assert all(r["median"] > 0 and len(r["samples"]) >= 2 and "iqr" in r for r in recs)
+    assert summary["counts"]["spmm"]["ok"] == 4
+    fp = machine_fingerprint()
+    out = tmp_path / "models" / "this"
+    manifest = train(run, out, fp, log=_quiet)
+    assert set(manifest["models"]) == {"spmm/dgl", "spmm/torch_csr", "gemm/torch"}
+    assert manifest["training_points"] == len(recs)
+    entry = manifest["models"]["spmm/dgl"]
+    assert entry["validation"] is not None and entry["train"]["mape"] >= 0
+    model = load(out, fp)
+    assert isinstance(model, LearnedCost)
+    g = gen.build(GRAPHS[0])
+    gi = GraphInfo(g)
+    assert model.predict("spmm", "dgl", gi, {"n": gi.num_dst, "k": 24}) > 0
+
+
+def test_resume_skips_finished_points(tmp_path):
+    run = tmp_path / "run"
+    profile(tiny(), run, progress=False, log=_quiet)
+    first = _points(run)
+    again = profile(tiny(), run, progress=False, log=_quiet)
+    assert len(_points(run)) == len(first)
+    assert sum(c.get("ok", 0) for c in again["counts"].values()) == 0
+    assert sum(c.get("resumed", 0) for c in again["counts"].values()) == len(first) // 2 + 4
+
+    # an interruption: the last point's lines lost, and half a line written
+    lines = (run / POINTS).read_text().splitlines(keepends=True)
+    last_key = json.loads(lines[-1])["key"]
+    kept = [ln for ln in lines if json.loads(ln)["key"] != last_key]
+    (run / POINTS).write_text("".join(kept) + lines[-1][:20])
+    assert last_key not in done_keys(run)
+    resumed = profile(tiny(), run, progress=False, log=_quiet)
+    assert sum(c.get("ok", 0) for c in resumed["counts"].values()) == 1
+    assert last_key in done_keys(run)
+
+
+def test_no_resume_starts_over(tmp_path):
+    run = tmp_path / "run"
+    profile(tiny(ks=[16]), run, progress=False, log=_quiet)
+    n = len(_points(run))
+    profile(tiny(ks=[16]), run, resume=False, progress=False, log=_quiet)
+    assert len(_points(run)) == n
+
+
+def test_points_too_big_for_memory_are_recorded_and_skipped(tmp_path):
+    run = tmp_path / "run"
+    summary = profile(tiny(mem_fraction=1e-12), run, progress=False, log=_quiet)
+    recs = _points(run)
+    assert recs and {r["status"] for r in recs} == {"skipped_memory"}
+    assert all("GiB" in r["reason"] and "median" not in r for r in recs)
+    assert summary["counts"]["gemm"]["skipped_memory"] == 8
+    again = profile(tiny(mem_fraction=1e-12), run, progress=False, log=_quiet)
+    assert sum(c.get("skipped_memory", 0) for c in again["counts"].values()) == 0
+
+
+def test_slow_points_are_recorded_and_skipped(tmp_path):
+    run = tmp_path / "run"
+    profile(tiny(max_call=0.0, prims=["spmm"], graphs=GRAPHS[:1]), run, progress=False,
+            log=_quiet)
+    by_size = {r["sizes"]["k"]: r["status"] for r in _points(run)}
+    assert by_size == {16: "skipped_slow", 32: "skipped_slow"}
+
+
+def test_contended_points_are_retried_on_request(tmp_path):
+    run = tmp_path / "run"
+    profile(tiny(prims=["gemm"], gemm_m=[64], gemm_kn=[16]), run, progress=False, log=_quiet)
+    rec = _points(run)[0]
+    rec["contended"] = True
+    (run / POINTS).write_text(json.dumps(rec) + "\n")
+    assert rec["key"] in done_keys(run)
+    assert rec["key"] not in done_keys(run, retry_contended=True)
+    profile(tiny(prims=["gemm"], gemm_m=[64], gemm_kn=[16]), run, progress=False, log=_quiet,
+            retry_contended=True)
+    assert len(_points(run)) == 2
+
+
+def test_block_jobs_rebuild_from_their_names():
+    cfg = tiny(graphs=["grid2d:rows=10,cols=12"], blocks_every=1)
+    jobs = pts.graph_jobs(cfg)
+    assert len(jobs) == 2 and jobs[1][1] == jobs[0][0]
+    name = jobs[1][0]
+    base = gen.build(jobs[0][0])
+    params = gen.parse_name(name)[1]
+    params.pop("base")
+    a, b = gen.sample_subgraph(base, **params), gen.build(name)
+    assert a.is_block and (a.num_src_nodes(), a.num_dst_nodes(), a.num_edges()) == \
+        (b.num_src_nodes(), b.num_dst_nodes(), b.num_edges())
+
+
+def test_configs_cover_the_registry():
+    quick, full = pts.quick_config(), pts.full_config()
+    assert len(quick.graphs) < len(full.graphs)
+    prims = {p for p, _ in pts.registered(full.prims)}
+    assert {"gemm", "row_scale", "spmm", "spmm_weighted", "sddmm_scale"} <= prims
+    assert max(full.ks) == 2048 and min(full.ks) == 16
+    for name, _ in pts.graph_jobs(quick):
+        nodes, edges = approx_size(name)
+        assert nodes > 0 and edges > 0
+
+
+@pytest.mark.parametrize("prim", ["spmm", "spmm_weighted", "sddmm_scale", "sddmm_add",
+                                  "edge_softmax", "spmm_mean", "spmm_max"])
+def test_inputs_run_every_implementation(prim):
+    g = gen.build(GRAPHS[0])
+    gi = GraphInfo(g)
+    sizes = pts.graph_sizes(prim, tiny(ks=[8], heads=[2]))[0]
+    impls = [i for p, i in pts.registered([prim])][0]
+    outs = {i: fn() for i, fn in pts.runners(prim, gi, sizes, impls).items()}
+    first = next(iter(outs.values()))
+    for out in outs.values():
+        assert out.shape == first.shape

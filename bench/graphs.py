@@ -2,8 +2,9 @@
 
 Real graphs: every graph shipped in ``data/`` (``granii.datasets.GRAPHS``). Generated graphs
 (``profiler.generators``, fixed seeds): an R-MAT power-law graph, a uniform random graph, a
-road-like graph and a Mycielski graph (dense rows), each of about one to a few million edges:
-what a full run can time on two cores within its budget.
+road-like graph and a Mycielski graph (dense rows), each of about one to a few million edges,
+and an R-MAT graph of about ten million edges (run last, at the first level of sizes only): what a
+full run can time on two cores within its budget.
 
 Sizes: the pairs ``(k_in, k_out)`` of ``{32, 128, 512, 1024}`` with ``k_in != k_out``, in both
 orders, run in levels (``LEVELS``: first the ratio-4 pair 32/128 on every graph, then 32/512, ...)
@@ -43,6 +44,7 @@ def generated():
                   partial(gen.uniform, 100_000, 500_000, seed=1, undirected=True)),
         GraphSpec("road-400k", "road", partial(gen.road_like, 400_000, seed=1)),
         GraphSpec("mycielskian-13", "mycielskian", partial(gen.mycielskian, 13)),
+        GraphSpec("rmat-s19-ef10", "rmat", partial(gen.rmat, 19, 10, seed=1)),
     ]
 
 

@@ -16,6 +16,7 @@ Anything the frontend cannot lower runs the original forward, and ``explain`` sa
 """
 import inspect
 import io
+import math
 import sys
 import types
 import weakref
@@ -41,6 +42,7 @@ class Compiled:
     layer_ir: object
     n_trees: int
     plans: list
+    leaves: dict = field(default_factory=dict)       # variable -> Leaf, over every plan
 
 
 @dataclass
@@ -54,12 +56,15 @@ class LayerState:
     fallback: str = None
     calls: int = 0
     last_input: tuple = None                         # (weakref, version) of the last features
+    sampled: dict = field(default_factory=dict)      # sampler-configuration key -> decision
+    reused: int = 0                                  # block calls that reused such a decision
 
 
 @dataclass
 class Options:
     cost_model: object
     expected_calls: int = EXPECTED_CALLS
+    per_batch: bool = False
 
 
 # -- finding layers --------------------------------------------------------------------------------
@@ -80,18 +85,27 @@ def find_layers(model):
 
 
 # -- public API ------------------------------------------------------------------------------------
-def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, inspect_now=True):
+def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, inspect_now=True,
+           per_batch=False):
     """Optimize every GNN layer of ``model`` in place and return ``model``.
 
     ``cost_model``: an object with ``predict(prim, impl, gi, dims)``; by default the learned models
     for this machine, or the analytical model when there are none. ``expected_calls``: how many
-    calls once-per-graph work is amortised over when choosing. With ``inspect_now`` the model runs
-    once on ``(graph, feats)`` without gradients so each layer decides for this input now.
+    calls once-per-graph work is amortised over when choosing (a sampled block is used once, so
+    on blocks it is 1). With ``inspect_now`` the model runs once on ``(graph, feats)`` without
+    gradients so each layer decides for this input now.
+
+    Sampled blocks (``dgl.dataloading``): a layer decides on the first block of a sampler
+    configuration and reuses that decision for later blocks of the same configuration, skipping
+    featurization and ranking (the paper found the choice stable across samples;
+    ``scripts/sampling_stability.py`` measures it here). Blocks of one configuration are those
+    with the same call signature and sizes and, in powers of two, the same edges per destination
+    and sources per destination. ``per_batch=True`` decides again on every block.
     """
     if cost_model is None:
         from .learned import default_cost_model
         cost_model = default_cost_model()
-    opts = Options(cost_model, expected_calls)
+    opts = Options(cost_model, expected_calls, per_batch)
     layers = find_layers(model)
     if not layers:
         raise TypeError(f"granii: {type(model).__name__} holds no GNN layer (a module whose "
@@ -214,22 +228,45 @@ def _make_dispatch(state, opts):
         call = prepare(state, self, args, kwargs)
         if isinstance(call, str):
             return _fallback(state, call, args, kwargs)
-        dkey = ("decision", id(state), call.key, tuple(sorted(call.symbols.items())),
-                call.training, call.input_grad, call.input_repeats)
+        mode = (call.training, call.input_grad, call.input_repeats)
+        dkey = ("decision", id(state), call.key, tuple(sorted(call.symbols.items()))) + mode
         decision = call.gi.cache.get(dkey)
+        skey = None
+        if decision is None and call.gi.is_block and not opts.per_batch:
+            skey = sampler_key(call) + mode
+            decision = state.sampled.get(skey)
+            if decision is not None:
+                state.reused += 1
+                call.gi.cache[dkey] = decision
         if decision is None:
+            calls = 1 if call.gi.is_block else opts.expected_calls
             ranking = rank(call.compiled.plans, call.gi, call.symbols, opts.cost_model,
-                           call.training, call.input_grad, opts.expected_calls,
-                           call.input_repeats)
+                           call.training, call.input_grad, calls, call.input_repeats)
             best = ranking[0]
             fn, code = compile_plan(best.plan, best.impls)
             decision = call.gi.cache[dkey] = (fn, leaf_vals_order(best.plan))
+            if skey is not None:
+                state.sampled[skey] = decision
             state.last = (call.symbols, ranking, best, code, call.training, opts.cost_model.name)
         fn, order = decision
         state.calls += 1
         state.fallback = None
         return fn(call.gi, self, *(call.leaf_vals[v] for v in order))
     return forward
+
+
+_GRAPH_SYMBOLS = ("N", "N_src", "N_dst", "E")
+
+
+def sampler_key(call):
+    """What identifies a sampler configuration on a block: the call signature, the sizes that
+    are not graph sizes, and log2 of edges per destination and of sources per destination."""
+    s = call.symbols
+    n_dst = max(s.get("N_dst", s.get("N", 1)), 1)
+    shape = (round(math.log2(max(s["E"], 1) / n_dst)),
+             round(math.log2(max(s.get("N_src", n_dst), 1) / n_dst)))
+    sizes = tuple(sorted((k, v) for k, v in s.items() if k not in _GRAPH_SYMBOLS))
+    return ("sampled", call.key, sizes, shape)
 
 
 def leaf_vals_order(plan):
@@ -267,7 +304,8 @@ def _compile(module, present, is_block, real=None):
                       for i, (root, choice) in enumerate(forest)])
     for i, plan in enumerate(promoted):
         plan.index = i
-    return Compiled(lir, n_trees, promoted)
+    leaves = {v: l for plan in promoted for v, l in plan.leaves.items()}
+    return Compiled(lir, n_trees, promoted, leaves)
 
 
 def _run_guards(state, lir, gi, values, module):
@@ -297,8 +335,7 @@ def _bind(state, compiled, gi, values, module):
     else:
         symbols["N"] = gi.num_src
     out = {}
-    leaves = {v: l for plan in compiled.plans for v, l in plan.leaves.items()}
-    for var, leaf in leaves.items():
+    for var, leaf in compiled.leaves.items():
         src = leaf.source
         if src[0] == "headdiag":
             symbols[leaf.cols] = _module_value(module, src[1]).shape[-2]
@@ -414,6 +451,9 @@ def _explain_layer(st, out):
             p(f"  checks kept from the source: {len(comp.layer_ir.guards)}")
     if st.fallback:
         p(f"  last call ran the original forward: {st.fallback}")
+    if st.sampled:
+        p(f"  sampled blocks: {len(st.sampled)} sampler configuration(s) decided on their first "
+          f"block; {st.reused} later block call(s) reused that decision")
     if st.last is None:
         if not st.fallback:
             p("  no decision yet (the layer has not run on an input)")

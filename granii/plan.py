@@ -15,6 +15,7 @@ their sub-expression, so two layers on the same graph share them and a new graph
 ``plan_code(plan, impls)`` generates the function that runs a plan with one kernel implementation
 per step: plain Python a person can read (``explain`` prints it), compiled once per choice.
 """
+import functools
 import re
 import weakref
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ class Plan:
         return "; ".join(str(t) for t in dict.fromkeys(self.choice.values()))
 
 
+@functools.lru_cache(maxsize=None)
 def _ident(text):
     return re.sub(r"\W", "_", text.replace("^-", "_m").replace(".", "_")).strip("_")
 
@@ -183,11 +185,19 @@ def _inputs(leaf_set):
     return tuple(sorted({leaf_var(l) for l in leaf_set if l.source[0] in ("arg", "edge")}))
 
 
-def ir_leaves(n):
+def ir_leaves(n, _memo={}):
+    """The leaves under ``n`` (memoised by identity: trees of one layer share subtrees)."""
     if isinstance(n, ir.Leaf):
         return {n}
+    hit = _memo.get(id(n))
+    if hit is not None and hit[0] is n:
+        return hit[1]
     parts = n.parts if isinstance(n, Node) else ir.children(n)
-    return set().union(*(ir_leaves(p) for p in parts))
+    out = frozenset().union(*(ir_leaves(p) for p in parts))
+    if len(_memo) > 100_000:
+        _memo.clear()
+    _memo[id(n)] = (n, out)
+    return out
 
 
 def _call(step, impl):

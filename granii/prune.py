@@ -13,6 +13,7 @@ of another tree's primitives (``T`` has extra calls), and the same primitives on
 Two trees that dominate each other are duplicates: the one with fewer calls (then the first) is kept. A tree pruned in both
 scenarios is dropped; the others are promoted, annotated with the scenarios they survive.
 """
+import functools
 import itertools
 
 
@@ -42,6 +43,7 @@ def size_le(a, b, scenario):
     return a == b or (a, b) in _ORDER[scenario]
 
 
+@functools.lru_cache(maxsize=None)
 def dims_le(a, b, scenario):
     """Some ordering of ``a``'s sizes is element-wise no larger than ``b``'s (cost is a product)."""
     if len(a) != len(b):

@@ -30,6 +30,7 @@ from profiler.timing import fix_threads, side_by_side, time_once
 
 POINTS = "points.jsonl"
 GRAPHS = "graphs.jsonl"
+_SPREAD = 2.5               # see unsettled()
 _OVERHEAD = 0.02            # seconds of bookkeeping per point, for the time estimate
 _COLLECT_BYTES = 256 << 20  # garbage-collect after points and graphs larger than this
 
@@ -56,14 +57,25 @@ def _append(path, rows):
         f.flush()
 
 
+def unsettled(r):
+    """A record measured on a contended machine, or whose rounds disagree: median more than
+    ``_SPREAD`` times the fastest round (and above 1 ms). Such medians hold waits for the cores
+    (OpenMP threads descheduled in steps of the scheduler tick), not the kernel."""
+    if r.get("contended"):
+        return True
+    return (r.get("status") == "ok" and r.get("median", 0) > 1e-3
+            and r["median"] > _SPREAD * r.get("min", r["median"]))
+
+
 def done_keys(run_dir, retry_contended=False):
     """Keys of the points already recorded in ``run_dir``; with ``retry_contended``, without
-    those whose latest measurement was taken on a contended machine."""
+    those whose latest measurement of some implementation is ``unsettled``."""
     latest = {}
     for r in read_jsonl(Path(run_dir) / POINTS):
         if "key" in r:
-            latest[r["key"]] = bool(r.get("contended"))
-    return {k for k, contended in latest.items() if not (retry_contended and contended)}
+            latest[(r["key"], r.get("impl"))] = unsettled(r)
+    retry = {k for (k, _), bad in latest.items() if retry_contended and bad}
+    return {k for k, _ in latest} - retry
 
 
 def graph_table(run_dir):

@@ -23,7 +23,8 @@ from granii.learned import (BASELINE, FORMAT, MANIFEST, MODEL_SIZES, model_featu
 from granii.fingerprint import fingerprint_id
 from granii.graph import GraphInfo
 from profiler import generators as gen
-from profiler.harness import GRAPHS, POINTS, _append, graph_record, graph_table, read_jsonl
+from profiler.harness import (GRAPHS, POINTS, _append, graph_record, graph_table, read_jsonl,
+                              unsettled)
 from profiler.points import DENSE
 
 PARAMS = dict(n_estimators=160, max_depth=5, learning_rate=0.1, min_child_weight=2.0,
@@ -81,11 +82,12 @@ def _group(r):
 
 def usable(records, prim, impl):
     """The points of one (primitive, implementation) to train on, and how many of them were
-    measured while the machine was contended: those are left out unless fewer than 8 points
-    remain (a time taken while another process held a core can be 100 times the kernel's)."""
+    measured while the machine was contended or whose rounds disagree (``harness.unsettled``):
+    those are left out unless fewer than 8 points remain (a time taken while another process
+    held a core can be 100 times the kernel's)."""
     rows = sorted((r for r in records if r["prim"] == prim and r["impl"] == impl),
                   key=lambda r: r["key"])
-    clean = [r for r in rows if not r.get("contended")]
+    clean = [r for r in rows if not unsettled(r)]
     if len(clean) >= 8:
         return clean, 0
     return rows, len(rows) - len(clean)

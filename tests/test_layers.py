@@ -238,3 +238,45 @@ def test_gat_shows_reuse_and_recompute_compositions():
     # reuse: aggregate Theta = H W (spmm_weighted after the GEMM); recompute: aggregate H, then W
     assert "spmm_weighted[A[" in text and "gemm[spmm_weighted[A[" in text
     assert "<- chosen" in text
+
+
+def _sage_on_loader(per_batch, monkeypatch):
+    """A 2-layer SAGE over the batches of a neighbour-sampling loader, DGL beside granii;
+    returns the states of granii's layers and how many times a layer ranked plans."""
+    import granii.api as api
+    ranked = []
+    real_rank = api.rank
+    monkeypatch.setattr(api, "rank", lambda *a, **k: ranked.append(1) or real_rank(*a, **k))
+    dgl.seed(0)
+    g = dgl.to_bidirected(dgl.rand_graph(300, 1500))
+    x = torch.randn(g.num_nodes(), 8)
+    torch.manual_seed(0)
+    ref = nn.ModuleList([SAGEConv(8, 16, "mean"), SAGEConv(16, 4, "mean")])
+    model = copy.deepcopy(ref)
+    loader = dgl.dataloading.DataLoader(g, torch.arange(120), dgl.dataloading.NeighborSampler(
+        [4, 4]), batch_size=30, shuffle=False)
+    first = True
+    for inp, _, blocks in loader:      # inference: the decision granii made is the one reused
+        h, hr = x[inp], x[inp]
+        for layer, lr, b in zip(model, ref, blocks):
+            if first:
+                granii(layer, b, h, per_batch=per_batch, inspect_now=False)
+            with torch.no_grad():
+                h, hr = layer(b, h), lr(b, hr)
+            torch.testing.assert_close(h, hr, atol=1e-5, rtol=1e-4)
+        first = False
+    return [layer._granii_state for layer in model], len(ranked)
+
+
+def test_sampled_blocks_reuse_the_first_decision(monkeypatch):
+    states, n_ranked = _sage_on_loader(False, monkeypatch)
+    assert n_ranked == 2                      # one decision per layer, on the first batch
+    assert [s.reused for s in states] == [3, 3]   # the 3 batches after the first
+    text = granii.explain(states[0].module, file=open("/dev/null", "w"))
+    assert "reused that decision" in text
+
+
+def test_sampled_blocks_decide_per_batch_when_asked(monkeypatch):
+    states, n_ranked = _sage_on_loader(True, monkeypatch)
+    assert [s.reused for s in states] == [0, 0]
+    assert n_ranked >= 8                      # every batch, every layer

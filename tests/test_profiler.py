@@ -120,6 +120,23 @@ def test_contended_points_are_retried_on_request(tmp_path):
     assert len(_points(run)) == 2
 
 
+def test_points_whose_rounds_disagree_are_retried_and_not_trained_on(tmp_path):
+    """A median far above the fastest round is waiting for the cores, not the kernel."""
+    from profiler.train import usable
+    run = tmp_path / "run"
+    profile(tiny(prims=["gemm"], gemm_m=[64], gemm_kn=[16]), run, progress=False, log=_quiet)
+    rec = _points(run)[0]
+    assert not harness.unsettled(rec)
+    rec.update(median=0.012, min=0.0003, samples=[0.0003, 0.012, 0.012], contended=False)
+    assert harness.unsettled(rec)
+    (run / POINTS).write_text(json.dumps(rec) + "\n")
+    assert rec["key"] in done_keys(run)
+    assert rec["key"] not in done_keys(run, retry_contended=True)
+    steady = dict(rec, key="other", median=0.012, min=0.011)
+    rows, _ = usable([rec] * 8 + [steady] * 8, rec["prim"], rec["impl"])
+    assert rows == [steady] * 8
+
+
 def test_block_jobs_rebuild_from_their_names():
     cfg = tiny(graphs=["grid2d:rows=10,cols=12"], blocks_every=1)
     jobs = pts.graph_jobs(cfg)

@@ -29,7 +29,7 @@ from . import ir
 from .enumerate import TooManyTrees, layer_forest
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .graph import graph_info
-from .plan import COMPUTED, compile_plan, lower, plan_code
+from .plan import COMPUTED, compile_plan, fuse_gemm_add, lower, plan_code
 from .prune import prune
 from .select import EXPECTED_CALLS, rank
 
@@ -304,6 +304,7 @@ def _compile(module, present, is_block, real=None):
                       for i, (root, choice) in enumerate(forest)])
     for i, plan in enumerate(promoted):
         plan.index = i
+        fuse_gemm_add(plan)
     leaves = {v: l for plan in promoted for v, l in plan.leaves.items()}
     return Compiled(lir, n_trees, promoted, leaves)
 

@@ -25,6 +25,7 @@ from functools import lru_cache
 from . import ir
 
 
+@ir.cached_hash
 @dataclass(frozen=True)
 class Node:
     """An intermediate result: ``prim`` applied to ``parts`` (leaves or other nodes)."""

@@ -44,6 +44,22 @@ SCALAR = "scalar"            # c I: a learnable or fixed scalar times the identi
 SELECTION = "selection"      # S = [I 0]: the destination rows of a block's sources
 
 
+def cached_hash(cls):
+    """Keep a frozen dataclass's structural hash after the first call: trees are dict keys all
+    through enumeration and lowering, and hashing a deep tree anew each time is quadratic."""
+    structural = cls.__hash__
+
+    def __hash__(self):
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = structural(self)
+            object.__setattr__(self, "_hash", h)
+        return h
+    cls.__hash__ = __hash__
+    return cls
+
+
+@cached_hash
 @dataclass(frozen=True)
 class Leaf:
     """A matrix of the IR.
@@ -86,6 +102,7 @@ class _Inner:
         return self.x.cols
 
 
+@cached_hash
 @dataclass(frozen=True)
 class MatMul(_Inner):
     args: tuple
@@ -102,6 +119,7 @@ class MatMul(_Inner):
         return "(" + " . ".join(str(a) for a in self.args) + ")"
 
 
+@cached_hash
 @dataclass(frozen=True)
 class RowBroadcast(_Inner):
     vec: Leaf
@@ -111,6 +129,7 @@ class RowBroadcast(_Inner):
         return f"({self.vec} (x) {self.x})"
 
 
+@cached_hash
 @dataclass(frozen=True)
 class Add(_Inner):
     a: object
@@ -128,6 +147,7 @@ class Add(_Inner):
         return f"({self.a} + {self.b})"
 
 
+@cached_hash
 @dataclass(frozen=True)
 class Apply(_Inner):
     """A barrier: ``fn`` applied element-wise (or row-wise); ``label`` is what a person reads."""
@@ -139,6 +159,7 @@ class Apply(_Inner):
         return f"{self.label}({self.x})"
 
 
+@cached_hash
 @dataclass(frozen=True)
 class Aggregate(_Inner):
     prim: str
@@ -156,6 +177,7 @@ class Aggregate(_Inner):
         return f"{self.prim}(A, {self.x})"
 
 
+@cached_hash
 @dataclass(frozen=True)
 class Store(_Inner):
     """A barrier: ``x``, also stored on the module as ``self.<attr>`` (SGConv's cache)."""
@@ -166,6 +188,7 @@ class Store(_Inner):
         return f"store[self.{self.attr}]({self.x})"
 
 
+@cached_hash
 @dataclass(frozen=True)
 class Cat(_Inner):
     """``[X_0, X_1, ...]`` concatenated along columns; only a product ``Cat . W`` is lowered, as
@@ -184,6 +207,7 @@ class Cat(_Inner):
         return "cat(" + ", ".join(str(p) for p in self.parts) + ")"
 
 
+@cached_hash
 @dataclass(frozen=True)
 class EdgeScore:
     kind = "edges"
@@ -196,6 +220,7 @@ class EdgeScore:
         return f"sddmm_add({self.a}, {self.b})"
 
 
+@cached_hash
 @dataclass(frozen=True)
 class EdgeSoftmax:
     kind = "edges"
@@ -207,6 +232,7 @@ class EdgeSoftmax:
         return f"edge_softmax({self.e})"
 
 
+@cached_hash
 @dataclass(frozen=True)
 class EdgeScale:
     kind = "edges"
@@ -219,6 +245,7 @@ class EdgeScale:
         return f"({self.e} * {self.w})"
 
 
+@cached_hash
 @dataclass(frozen=True)
 class SparseEdges:
     """The adjacency pattern with values ``e``; ``heads`` values per edge. With several heads it

@@ -312,6 +312,33 @@ def default_impls(plan):
     return tuple(step_impls(s)[0] for s in plan.steps)
 
 
+def fuse_gemm_add(plan):
+    """Peephole pass: ``t = gemm(x, w)`` whose only use is ``s = t + c`` becomes
+    ``s = gemm(x, w, c)`` (``torch.addmm(c, x, w)``: the sum is written while the product is,
+    one pass over the output instead of three). ``c`` is a bias row or another term of a sum of
+    products (GIN's and TAGConv's). Both steps must run every call; the fused step takes the
+    add's place, where its operands all exist. Returns ``plan``."""
+    uses = {}
+    for st in plan.steps:
+        for a in st.args:
+            uses[a] = uses.get(a, 0) + 1
+    uses[plan.out] = uses.get(plan.out, 0) + 1
+    by_var = {st.var: st for st in plan.steps}
+    fused, steps = set(), []
+    for st in plan.steps:
+        if st.prim == "add" and st.when == EVERY:
+            for mine, other in ((st.args[1], st.args[0]), (st.args[0], st.args[1])):
+                g = by_var.get(mine)
+                if (g is not None and g.prim == "gemm" and g.when == EVERY and len(g.args) == 2
+                        and uses.get(mine) == 1 and mine not in fused):
+                    fused.add(mine)
+                    st = Step(st.var, "gemm", g.args + (other,), EVERY, g.key, g.sig, g.inputs)
+                    break
+        steps.append(st)
+    plan.steps = [st for st in steps if st.var not in fused]
+    return plan
+
+
 def step_impls(step):
     """The kernel implementations that can run ``step``."""
     if step.prim in kernels.REGISTRY:

@@ -60,7 +60,7 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
         dims = concrete_dims(step.sig, symbols)
         options = []
         for impl in step_impls(step):
-            t = model.predict(step.prim, impl, gi, dims)
+            t = _predict(model, step.prim, impl, gi, dims, _heads(plan))
             n_bwd = sum(1 for a in step.args if a in grad_vars)
             t *= 1 + n_bwd
             amortised = step.when == GRAPH or (step.when == INPUT and cacheable)
@@ -70,6 +70,24 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
         rows.append((step, impl, t))
         total += t
     return Choice(plan, tuple(impls), total, rows)
+
+
+def _heads(plan):
+    return int(plan.heads[0]) if plan.heads else 1
+
+
+def _predict(model, prim, impl, gi, dims, heads):
+    """Predicted seconds of one call. With several attention heads, edge scores and softmax
+    carry ``heads`` values per edge, and the weighted SpMM is one call per head of width
+    ``k / heads`` for implementations without native heads (torch CSR), one call of width ``k``
+    for DGL's."""
+    if heads == 1 or prim not in ("sddmm_add", "edge_softmax", "spmm_weighted"):
+        return model.predict(prim, impl, gi, dims)
+    if prim != "spmm_weighted":
+        return model.predict(prim, impl, gi, dict(dims, heads=heads))
+    if impl == "dgl":
+        return model.predict(prim, impl, gi, dims)
+    return heads * model.predict(prim, impl, gi, dict(dims, k=max(1, dims["k"] // heads)))
 
 
 def _needs_grad(plan, training, input_grad):

@@ -40,7 +40,7 @@ from granii.plan import compile_plan  # noqa: E402
 from granii.select import rank  # noqa: E402
 from profiler.timing import fix_threads, side_by_side  # noqa: E402
 
-GRAPHS = ["pubmed", "deezer-europe", "github-social", "astro-ph"]
+GRAPHS = ["pubmed", "github-social", "astro-ph"]
 QUICK_GRAPHS = ["pubmed", "astro-ph"]
 MODELS = ["sage", "gcn", "gat"]
 FANOUTS = [[5, 5], [10, 10], [25, 10]]
@@ -159,7 +159,7 @@ def write_report(df, out, command):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, default=12)
+    ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="two graphs, one fanout, fewer batches")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "sampling")
     args = ap.parse_args(argv)

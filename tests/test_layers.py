@@ -240,6 +240,32 @@ def test_gat_shows_reuse_and_recompute_compositions():
     assert "<- chosen" in text
 
 
+def test_gat_heads_reach_the_cost_model():
+    """With 4 heads, scores and softmax are priced with 4 values per edge, and torch's weighted
+    SpMM (one call per head) as 4 calls of width k_out / 4; DGL's (native heads) as one call."""
+    import inspect
+    from granii.api import LayerState, prepare
+    from granii.costmodel import AnalyticalCost
+    from granii.select import price
+    seen = []
+
+    class Recorder(AnalyticalCost):
+        def predict(self, prim, impl, gi, dims):
+            seen.append((prim, impl, dict(dims)))
+            return super().predict(prim, impl, gi, dims)
+
+    g = GRAPHS["undirected"]()
+    layer = GATConv(6, 8, 4, allow_zero_in_degree=True)       # 4 heads of 8: width 32
+    state = LayerState("gat", layer, layer.forward, inspect.signature(layer.forward))
+    call = prepare(state, layer, (g, torch.randn(g.num_nodes(), 6)), {})
+    for plan in call.compiled.plans:
+        price(plan, call.gi, call.symbols, Recorder(), False, False, 1)
+    assert {d.get("heads") for p, _, d in seen if p in ("sddmm_add", "edge_softmax")} == {4}
+    widths = {(i, d["k"]) for p, i, d in seen if p == "spmm_weighted"}
+    assert ("torch_csr", 8) in widths and ("dgl", 32) in widths
+    assert not any(i == "torch_csr" and k == 32 for i, k in widths)
+
+
 def _sage_on_loader(per_batch, monkeypatch):
     """A 2-layer SAGE over the batches of a neighbour-sampling loader, DGL beside granii;
     returns the states of granii's layers and how many times a layer ranked plans."""

@@ -1,11 +1,18 @@
 """Dense primitives."""
+import torch
+
 from granii.kernels.registry import register
 
 
 @register("gemm", "torch")
-def gemm_torch(x, w):
-    """``Y = X W`` for ``X`` of shape ``(n, k_in)`` and ``W`` of shape ``(k_in, k_out)``."""
-    return x @ w
+def gemm_torch(x, w, c=None):
+    """``Y = X W`` for ``X`` of shape ``(n, k_in)`` and ``W`` of shape ``(k_in, k_out)``; with
+    ``c`` (``(n, k_out)`` or a ``(k_out,)`` row), ``Y = c + X W`` in one pass (``addmm``)."""
+    if c is None:
+        return x @ w
+    if x.dim() != 2:
+        return c + x @ w
+    return torch.addmm(c, x, w)
 
 
 @register("row_scale", "torch")

@@ -27,7 +27,7 @@ from .enumerate import Node, steps as tree_steps
 from .prune import signature
 
 EVERY, GRAPH, INPUT = "every call", "once per graph", "once per input"
-INLINE = ("add", "apply", "store", "row_slice", "edge_scale")  # written out in the generated code
+INLINE = ("add", "apply", "store", "row_slice", "edge_scale", "alias")  # written out in the generated code
 COMPUTED = ("degree", "scalar", "headdiag")   # leaves the generated code computes itself
 
 
@@ -265,6 +265,8 @@ def _expr(step, impl):
         return f"by_heads(spmm_weighted_{impl}, gi, {step.args[0]}, {step.args[1]})"
     if step.prim == "add":
         return f"{step.args[0]} + {step.args[1]}"
+    if step.prim == "alias":
+        return step.args[0]
     if step.prim == "apply":
         return f"f_{step.var}({step.args[0]})"
     return _call(step, impl)
@@ -317,23 +319,42 @@ def fuse_gemm_add(plan):
     ``s = gemm(x, w, c)`` (``torch.addmm(c, x, w)``: the sum is written while the product is,
     one pass over the output instead of three). ``c`` is a bias row or another term of a sum of
     products (GIN's and TAGConv's). Both steps must run every call; the fused step takes the
-    add's place, where its operands all exist. Returns ``plan``."""
+    add's place, where its operands all exist. When ``t`` already accumulates a chain of such
+    products and ``c`` is a parameter (a bias), ``c`` goes to the first product of the chain and
+    the add becomes an alias. Returns ``plan``."""
     uses = {}
     for st in plan.steps:
         for a in st.args:
             uses[a] = uses.get(a, 0) + 1
     uses[plan.out] = uses.get(plan.out, 0) + 1
+
+    def single_gemm(var):
+        g = by_var.get(var)
+        ok = g is not None and g.prim == "gemm" and g.when == EVERY and uses.get(var) == 1
+        return g if ok else None
+
     by_var = {st.var: st for st in plan.steps}
     fused, steps = set(), []
     for st in plan.steps:
         if st.prim == "add" and st.when == EVERY:
             for mine, other in ((st.args[1], st.args[0]), (st.args[0], st.args[1])):
-                g = by_var.get(mine)
-                if (g is not None and g.prim == "gemm" and g.when == EVERY and len(g.args) == 2
-                        and uses.get(mine) == 1 and mine not in fused):
+                g = single_gemm(mine)
+                if g is None or mine in fused:
+                    continue
+                if len(g.args) == 2:
                     fused.add(mine)
                     st = Step(st.var, "gemm", g.args + (other,), EVERY, g.key, g.sig, g.inputs)
                     break
+                first = g
+                while len(first.args) == 3 and single_gemm(first.args[2]) is not None:
+                    first = by_var[first.args[2]]
+                if len(first.args) == 2 and other in plan.leaves:
+                    i = steps.index(first)
+                    steps[i] = by_var[first.var] = Step(first.var, "gemm", first.args + (other,),
+                                                        EVERY, first.key, first.sig, first.inputs)
+                    st = Step(st.var, "alias", (mine,), EVERY, st.key)
+                    break
+        by_var[st.var] = st
         steps.append(st)
     plan.steps = [st for st in steps if st.var not in fused]
     return plan

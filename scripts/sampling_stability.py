@@ -17,9 +17,9 @@ Writes ``stability.csv`` (one row per block and layer) and ``report.md`` to ``--
 Inference only (the blocks' plans and their rankings are the same objects in training).
 """
 import argparse
-import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,6 +164,8 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "sampling")
     args = ap.parse_args(argv)
     fix_threads(2)
+    warnings.filterwarnings("ignore", message=".*CPU affinity")
+    warnings.filterwarnings("ignore", message=".*is in beta")
     cost_model = default_cost_model()
     graphs = QUICK_GRAPHS if args.quick else GRAPHS
     fanouts = FANOUTS[1:2] if args.quick else FANOUTS
@@ -183,7 +185,8 @@ def main(argv=None):
               flush=True)
         pd.DataFrame(rows).to_csv(args.out / "stability.csv", index=False)
     df = pd.DataFrame(rows)
-    command = "python -m scripts.sampling_stability" + (" --quick" if args.quick else "")
+    command = (f"python -m scripts.sampling_stability --batches {args.batches}"
+               + (" --quick" if args.quick else ""))
     print(write_report(df, args.out, command))
     return 0
 

@@ -523,11 +523,16 @@ def _machine_section(m, command):
     return "\n".join(lines) + "\n"
 
 
+def _csv(out, name):
+    """``out/name`` as a DataFrame, or None when that part of the suite did not run."""
+    path = out / name
+    return pd.read_csv(path) if path.exists() else None
+
+
 def _e2e_section(out):
-    path = out / "e2e.csv"
-    if not path.exists():
+    e = _csv(out, "e2e.csv")
+    if e is None:
         return ""
-    e = pd.read_csv(path)
     rows = []
     for _, r in e.iterrows():
         rows.append([r.model, r.dataset, f"{r.forward_ms_dgl:.2f}", f"{r.forward_ms_granii:.2f}",
@@ -550,10 +555,9 @@ def _e2e_section(out):
 
 
 def _overhead_section(out):
-    path = out / "overhead.csv"
-    if not path.exists():
+    ov = _csv(out, "overhead.csv")
+    if ov is None:
         return ""
-    ov = pd.read_csv(path)
     png = plot_overhead(ov, out)
     rows = [[r.graph, f"{int(r.edges):,}", f"{r.prepare_ms:.1f}", f"{r.index_ms:.1f}",
              f"{r.features_ms:.1f}", f"{r.select_ms:.2f}", f"{r.compile_ms:.2f}",
@@ -572,10 +576,9 @@ def _overhead_section(out):
 
 
 def _memory_section(out):
-    path = out / "memory.csv"
-    if not path.exists():
+    m = _csv(out, "memory.csv")
+    if m is None:
         return ""
-    m = pd.read_csv(path)
     rows = []
     for key, grp in m.groupby(["model", "graph", "k_in", "k_out", "mode"], sort=False):
         by = {r.candidate: r for _, r in grp.iterrows()}

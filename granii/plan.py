@@ -18,7 +18,7 @@ per step: plain Python a person can read (``explain`` prints it), compiled once 
 import functools
 import re
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,7 +27,8 @@ from .enumerate import Node, steps as tree_steps
 from .prune import signature
 
 EVERY, GRAPH, INPUT = "every call", "once per graph", "once per input"
-INLINE = ("add", "apply", "store", "row_slice", "edge_scale", "alias")  # written out in the generated code
+# written out in the generated code
+INLINE = ("add", "apply", "store", "row_slice", "edge_scale", "alias")
 COMPUTED = ("degree", "scalar", "headdiag")   # leaves the generated code computes itself
 
 
@@ -185,19 +186,13 @@ def _inputs(leaf_set):
     return tuple(sorted({leaf_var(l) for l in leaf_set if l.source[0] in ("arg", "edge")}))
 
 
-def ir_leaves(n, _memo={}):
-    """The leaves under ``n`` (memoised by identity: trees of one layer share subtrees)."""
+@functools.lru_cache(maxsize=1 << 16)
+def ir_leaves(n):
+    """The leaves under ``n`` (memoised: the trees of one layer share their subtrees)."""
     if isinstance(n, ir.Leaf):
-        return {n}
-    hit = _memo.get(id(n))
-    if hit is not None and hit[0] is n:
-        return hit[1]
+        return frozenset((n,))
     parts = n.parts if isinstance(n, Node) else ir.children(n)
-    out = frozenset().union(*(ir_leaves(p) for p in parts))
-    if len(_memo) > 100_000:
-        _memo.clear()
-    _memo[id(n)] = (n, out)
-    return out
+    return frozenset().union(*(ir_leaves(p) for p in parts))
 
 
 def _call(step, impl):
@@ -343,15 +338,14 @@ def fuse_gemm_add(plan):
                     continue
                 if len(g.args) == 2:
                     fused.add(mine)
-                    st = Step(st.var, "gemm", g.args + (other,), EVERY, g.key, g.sig, g.inputs)
+                    st = replace(g, var=st.var, args=g.args + (other,))
                     break
                 first = g
                 while len(first.args) == 3 and single_gemm(first.args[2]) is not None:
                     first = by_var[first.args[2]]
                 if len(first.args) == 2 and other in plan.leaves:
                     i = steps.index(first)
-                    steps[i] = by_var[first.var] = Step(first.var, "gemm", first.args + (other,),
-                                                        EVERY, first.key, first.sig, first.inputs)
+                    steps[i] = by_var[first.var] = replace(first, args=first.args + (other,))
                     st = Step(st.var, "alias", (mine,), EVERY, st.key)
                     break
         by_var[st.var] = st

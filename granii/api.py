@@ -384,6 +384,8 @@ def _check_size(state, leaf, val, symbols, feat):
     for sym, n in zip(dims, val.shape[-len(dims):]):
         if sym == "1":
             continue
+        if "+" in sym:          # a concatenation's width: checked through its parts
+            continue
         have = symbols.setdefault(sym, n)
         if have != n:
             raise ValueError(_size_message(state, leaf, sym, have, n, feat))

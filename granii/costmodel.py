@@ -5,7 +5,8 @@ where ``dims`` holds the call's concrete sizes:
 
     gemm         {"m", "k", "n"}     (m x k) . (k x n)
     spmm*        {"n", "k"}          n destination rows, k columns; E comes from the graph
-    row_scale    {"n", "k"}       also add (X + Y) and row_slice (a view of the first n rows)
+    row_scale    {"n", "k"}       also add (X + Y), cat (columns side by side) and row_slice
+                                  (a view of the first n rows)
     sddmm_scale  {}                  E from the graph
     diag_mul     {"n"}
 
@@ -14,6 +15,8 @@ fallback when no learned models for this machine exist. The learned models (``le
 same interface.
 """
 from dataclasses import dataclass
+
+from .ir import size_value
 
 FLOAT = 4
 
@@ -49,8 +52,8 @@ class AnalyticalCost:
         elif prim.startswith("spmm"):
             n, k = dims["n"], dims["k"]
             t = FLOAT * E * k / self.gather_rate + FLOAT * n * k / self.stream_rate + 8 * E / self.stream_rate
-        elif prim in ("row_scale", "add"):
-            t = (2 if prim == "row_scale" else 3) * FLOAT * dims["n"] * dims["k"] / self.stream_rate
+        elif prim in ("row_scale", "add", "cat"):
+            t = (3 if prim == "add" else 2) * FLOAT * dims["n"] * dims["k"] / self.stream_rate
         elif prim == "row_slice":
             return 1e-6
         elif prim.startswith("sddmm") or prim == "edge_softmax":
@@ -63,12 +66,12 @@ class AnalyticalCost:
 def concrete_dims(sig, symbols):
     """The ``dims`` dict of a step's signature, its size symbols replaced by their values."""
     prim, _, sizes = sig
-    vals = [symbols[s] for s in sizes]
+    vals = [size_value(s, symbols) for s in sizes]
     if prim == "gemm":
         return {"m": vals[0], "k": vals[1], "n": vals[2]}
     if prim.startswith("spmm"):
         return {"n": symbols.get("N_dst", symbols.get("N")), "k": vals[1]}
-    if prim in ("row_scale", "add", "row_slice"):
+    if prim in ("row_scale", "add", "cat", "row_slice"):
         return {"n": vals[0], "k": vals[1]}
     if prim == "diag_mul":
         return {"n": vals[0]}

@@ -19,6 +19,7 @@ by splitting every interval of the product in every place. A tree is canonical: 
 flattened, so ``(D A) D``, ``D (A D)`` and the three-operand ``D A D`` are one tree with one SDDMM.
 """
 import itertools
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -104,6 +105,7 @@ def _is_scaling(parts):
 INTERVAL_LIMIT = 24
 
 
+@lru_cache(maxsize=1024)
 def association_trees(factors):
     """All association trees of the product of ``factors`` (a tuple of IR nodes), each once.
 
@@ -112,7 +114,6 @@ def association_trees(factors):
     scenarios by another sub-tree of the same interval are dropped early. The same rules as the
     final pruning, applied to a sub-product: a tree containing a dominated sub-tree is dominated.
     """
-    from .prune import SCENARIOS, signature, survivors
     factors = tuple(factors)
 
     @lru_cache(maxsize=None)
@@ -127,10 +128,10 @@ def association_trees(factors):
                     found.setdefault(node, None)
         found = list(found)
         if len(found) > INTERVAL_LIMIT:
-            found = _skyline(found, signature, survivors, SCENARIOS)
+            found = _drop_dominated(found)
         return tuple(found)
 
-    return list(trees(0, len(factors) - 1))
+    return trees(0, len(factors) - 1)
 
 
 def steps(tree):
@@ -162,48 +163,69 @@ def products(root):
     return found
 
 
-FOREST_LIMIT = 2000
+TREE_LIMIT = 100_000
+COMBINE_LIMIT = 100
+PARTIAL_LIMIT = 30
 
 
 def layer_forest(root):
-    """Every way to associate every product in every distributed or factored form of the layer.
+    """Every way to associate every product in every split, distributed or factored form of the
+    layer.
 
     Returns ``(forest, n_enumerated)``: ``forest`` a list of ``(ir_root, {MatMul: tree})``, the
-    IR variant and one tree per product in it. When the combinations would exceed
-    ``FOREST_LIMIT`` (TAGConv with 3 hops has about 20,000), each product's own trees are pruned
-    first (the same dominance rules, per product) before they are combined; ``n_enumerated``
-    still counts every combination.
+    IR variant and one tree per product in it; ``n_enumerated`` counts every combination.
+    When a variant has more than ``COMBINE_LIMIT`` combinations (TAGConv with 3 hops has 16,754
+    in all), the trees dominated in both size scenarios are dropped (``prune``'s rule), first
+    those of each product, then while the products are combined one at a time, those of the
+    partial combinations (on their distinct calls: a sub-result shared by two products counts
+    once). Layers with more than ``TREE_LIMIT`` trees in all (TAGConv with 4 hops has two
+    million) raise ``TooManyTrees``: pruning them would take longer than the layer saves.
     """
-    from .prune import SCENARIOS, signature, survivors
-    variants = [f for d in ir.distribute_variants(root) for f in ir.factor_variants(d)]
-    per_variant, total = [], 0
+    variants = [f for c in ir.split_cat_variants(root) for d in ir.distribute_variants(c)
+                for f in ir.factor_variants(d)]
+    per_variant = []
     for variant in dict.fromkeys(variants):
         prods = list(dict.fromkeys(products(variant)))
         options = [association_trees(p.args) for p in prods]
-        n = 1
-        for o in options:
-            n *= len(o)
-        total += n
-        per_variant.append((variant, prods, options))
-    if total > 4 * FOREST_LIMIT:
-        raise TooManyTrees(f"{total} association trees: too many to lower at run time "
-                           f"(limit {4 * FOREST_LIMIT})")
+        per_variant.append((variant, prods, options, math.prod(len(o) for o in options)))
+    total = sum(n for *_, n in per_variant)
+    if total > TREE_LIMIT:
+        raise TooManyTrees(f"{total} association trees: too many to prune at run time "
+                           f"(limit {TREE_LIMIT})")
     forest = []
-    for variant, prods, options in per_variant:
-        if total > FOREST_LIMIT:
-            options = [_skyline(o, signature, survivors, SCENARIOS) for o in options]
-        forest += [(variant, dict(zip(prods, c))) for c in itertools.product(*options)]
-        if len(forest) > 2 * FOREST_LIMIT:
-            raise TooManyTrees(f"{total} association trees (more than {2 * FOREST_LIMIT} after "
-                               "pruning each product): too many to lower at run time")
+    for variant, prods, options, n in per_variant:
+        large = n > COMBINE_LIMIT
+        if large:
+            options = [_drop_dominated(o) for o in options]
+        forest += [(variant, dict(zip(prods, c)))
+                   for c in _combine(options, PARTIAL_LIMIT if large else math.inf)]
     return forest, total
+
+
+def _combine(options, limit):
+    """One tree from each of ``options`` in every way; dominated partial choices are dropped
+    whenever there are more than ``limit``."""
+    partial = [((), {})]
+    for trees in options:
+        partial = [(chosen + (t,), {**calls, **dict.fromkeys(steps(t))})
+                   for chosen, calls in partial for t in trees]
+        if len(partial) > limit:
+            keep = _undominated([calls for _, calls in partial])
+            partial = [p for i, p in enumerate(partial) if i in keep]
+    return [chosen for chosen, _ in partial]
 
 
 class TooManyTrees(Exception):
     """The layer's forest is too large to lower at run time; the original forward runs."""
 
 
-def _skyline(trees, signature, survivors, scenarios):
-    sigs = [[signature(s) for s in steps(t)] for t in trees]
-    keep = set().union(*(survivors(sigs, sc) for sc in scenarios))
+def _drop_dominated(trees):
+    keep = _undominated([steps(t) for t in trees])
     return [t for i, t in enumerate(trees) if i in keep]
+
+
+def _undominated(call_lists):
+    """Indices of the lists of calls (``Node``s) not dominated in both size scenarios."""
+    from .prune import SCENARIOS, Calls, signature, survivors
+    calls = [Calls.of(signature(n) for n in c) for c in call_lists]
+    return set().union(*(survivors(calls, sc) for sc in SCENARIOS))

@@ -34,6 +34,7 @@ Nodes are immutable and hashable, so equal sub-expressions compare equal (used f
 keys of once-per-graph values). Shapes are symbols: ``N_src``, ``N_dst`` on a block (N_dst <= N_src:
 the destinations are a prefix of the sources), ``N`` for both on a graph, ``k_in``, ``k_out``, ``1``.
 """
+import functools
 import itertools
 from dataclasses import dataclass, field, replace
 
@@ -334,6 +335,7 @@ def describe(node, indent=0):
     return "\n".join(lines)
 
 
+@functools.lru_cache(maxsize=4096)
 def distribute_variants(node):
     """Every IR equal to ``node`` by distributing products over sums: ``(X + Y) W = X W + Y W``.
 
@@ -341,7 +343,7 @@ def distribute_variants(node):
     and the aggregation runs at the output width. Sums with a broadcast row (a bias) stay.
     """
     if isinstance(node, Leaf):
-        return [node]
+        return (node,)
     options = [distribute_variants(c) for c in children(node)]
     out = [with_children(node, list(c)) for c in itertools.product(*options)]
     if isinstance(node, MatMul):
@@ -351,9 +353,54 @@ def distribute_variants(node):
                     left, right = args[:i], args[i + 1:]
                     out += distribute_variants(Add(matmul(*left, a.a, *right),
                                                    matmul(*left, a.b, *right)))
-    return list(dict.fromkeys(out))
+    return tuple(dict.fromkeys(out))
 
 
+@functools.lru_cache(maxsize=4096)
+def split_cat_variants(node):
+    """``node`` as written, and with each product of a concatenation by a weight split into the
+    sum of the products of the parts with the weight's row blocks:
+
+        cat(X_0, ..., X_m) W  =  X_0 W_0 + (X_1 W_1 + (... + X_m W_m))
+
+    The first is one GEMM over the stacked width (DGL's TAGConv; best when the output is wide);
+    the second lets the sums distribute and factor (Horner's rule, best when it is narrow).
+    """
+    if isinstance(node, Leaf):
+        return (node,)
+    options = [split_cat_variants(c) for c in children(node)]
+    out = [with_children(node, list(c)) for c in itertools.product(*options)]
+    if isinstance(node, MatMul):
+        out += [split for v in list(out) for split in [_split_cat(v)] if split is not None]
+    return tuple(dict.fromkeys(out))
+
+
+def _split_cat(prod):
+    """The sum of block products of ``prod = (..., cat(X_i), W, ...)``, or ``None``."""
+    args = prod.args
+    for i, (c, w) in enumerate(zip(args, args[1:])):
+        if isinstance(c, Cat) and isinstance(w, Leaf) and w.source[0] == "param":
+            m = len(c.parts)
+            terms = [matmul(*args[:i], part,
+                            Leaf(f"{w.name}[{j}/{m}]", part.cols, w.cols, DENSE, WEIGHT,
+                                 ("param_block", w.source[1], j, m, w.transposed)),
+                            *args[i + 2:])
+                     for j, part in enumerate(c.parts)]
+            out = terms[-1]
+            for t in reversed(terms[:-1]):
+                out = Add(t, out)
+            return out
+    return None
+
+
+def size_value(sym, symbols):
+    """The value of a size symbol; a concatenation's width ``k_in+k_in`` is the sum of its parts."""
+    if sym in symbols or "+" not in sym:
+        return symbols[sym]
+    return sum(symbols[s] for s in sym.split("+"))
+
+
+@functools.lru_cache(maxsize=4096)
 def factor_variants(node):
     """Every IR equal to ``node`` by factoring a common left factor out of a sum:
     ``P X + P Y = P (X + Y)``.
@@ -362,7 +409,7 @@ def factor_variants(node):
     rule): each hop's aggregation then runs once, at the output width.
     """
     if isinstance(node, Leaf):
-        return [node]
+        return (node,)
     options = [factor_variants(c) for c in children(node)]
     out = [with_children(node, list(c)) for c in itertools.product(*options)]
     if isinstance(node, Add):
@@ -375,4 +422,4 @@ def factor_variants(node):
             for cut in range(1, n + 1):
                 rest = Add(matmul(*fa[cut:]), matmul(*fb[cut:]))
                 out += [matmul(*fa[:cut], r) for r in factor_variants(rest)]
-    return list(dict.fromkeys(out))
+    return tuple(dict.fromkeys(out))

@@ -28,7 +28,7 @@ from .prune import signature
 
 EVERY, GRAPH, INPUT = "every call", "once per graph", "once per input"
 # written out in the generated code
-INLINE = ("add", "apply", "store", "row_slice", "edge_scale", "alias")
+INLINE = ("add", "cat", "apply", "store", "row_slice", "edge_scale", "alias")
 COMPUTED = ("degree", "scalar", "headdiag")   # leaves the generated code computes itself
 
 
@@ -118,6 +118,11 @@ def lower(index, root, choice, scenarios=(), heads=None):
             lv = ir_leaves(n)
             sig = None if n.b.rows == "1" else ("add", False, (n.rows, n.cols))
             return emit(n, "add", (a, b), _when(lv), str(n), sig, _inputs(lv))
+        if isinstance(n, ir.Cat):
+            parts = tuple(value(p) for p in n.parts)
+            lv = ir_leaves(n)
+            return emit(n, "cat", parts, _when(lv), str(n), ("cat", False, (n.rows, n.cols)),
+                        _inputs(lv))
         if isinstance(n, ir.Apply):
             x = value(n.x)
             var = emit(n, "apply", (x,), EVERY, str(n))
@@ -260,6 +265,8 @@ def _expr(step, impl):
         return f"by_heads(spmm_weighted_{impl}, gi, {step.args[0]}, {step.args[1]})"
     if step.prim == "add":
         return f"{step.args[0]} + {step.args[1]}"
+    if step.prim == "cat":
+        return f"torch.cat(({', '.join(step.args)}), 1)"
     if step.prim == "alias":
         return step.args[0]
     if step.prim == "apply":
@@ -436,7 +443,7 @@ def diag_mul_torch(a, b):
     return a * b
 
 
-RUNTIME = {"degree_power": degree_power, "once_per_graph": once_per_graph,
+RUNTIME = {"torch": torch, "degree_power": degree_power, "once_per_graph": once_per_graph,
            "once_per_input": once_per_input, "diag_mul_torch": diag_mul_torch, "store": store,
            "scalar": scalar, "head_diag": head_diag, "by_heads": by_heads}
 

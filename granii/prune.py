@@ -15,6 +15,8 @@ scenarios is dropped; the others are promoted, annotated with the scenarios they
 """
 import functools
 import itertools
+import math
+from dataclasses import dataclass
 
 
 GE, LT = ">=", "<"          # k_in >= k_out, k_in < k_out
@@ -23,6 +25,7 @@ _ORDER = {GE: {("k_out", "k_in"), ("N_dst", "N_src")},
           LT: {("k_in", "k_out"), ("N_dst", "N_src")}}
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def signature(node):
     """``(primitive, once_per_graph, sizes)`` of one primitive call of an association tree."""
     if node.prim == "gemm":
@@ -59,44 +62,95 @@ def _counts(sigs):
     return out
 
 
+# Sizes consistent with each scenario's order: if a call is no larger than another, its
+# product of sizes here is no larger either (a cheap necessary test before matching).
+_VALUES = {GE: {"k_in": 5, "k_out": 3, "N_src": 7, "N_dst": 6},
+           LT: {"k_in": 3, "k_out": 5, "N_src": 7, "N_dst": 6}}
+
+
+@functools.lru_cache(maxsize=None)
+def _volume(dims, scenario):
+    return math.prod(_VALUES[scenario].get(d, 11 + len(d)) for d in dims)
+
+
+def _volumes(sigs, scenario):
+    out = {}
+    for p, once, dims in sigs:
+        out[(p, once)] = out.get((p, once), 0) + _volume(dims, scenario)
+    return out
+
+
+@dataclass(frozen=True)
+class Calls:
+    """A tree's call signatures, with what ``covered_by`` reads of them computed once."""
+    sigs: tuple
+    counts: dict          # (primitive, once) -> number of calls
+    needed: tuple         # the calls another tree must match to dominate it
+    needed_counts: dict
+    volumes: dict         # scenario -> (primitive, once) -> total size of all calls
+    needed_volumes: dict  # the same of ``needed``
+
+    @classmethod
+    def of(cls, sigs):
+        sigs = tuple(sigs)
+        needed = tuple(s for s in sigs if not (s[1] and not any(d.startswith("k") for d in s[2])))
+        return cls(sigs, _counts(sigs), needed, _counts(needed),
+                   {sc: _volumes(sigs, sc) for sc in SCENARIOS},
+                   {sc: _volumes(needed, sc) for sc in SCENARIOS})
+
+
 def covered_by(small, big, scenario):
-    """Each call of ``small`` matches a distinct call of ``big``, same primitive, no larger.
+    """Each call of ``small`` matches a distinct call of ``big`` (both ``Calls``), same
+    primitive, no larger.
 
     Once-per-graph calls on vectors (sizes without an embedding width: degree products, edge
     scaling) are amortised to nothing and need no match.
     """
-    small = [s for s in small if not (s[1] and not any(d.startswith("k") for d in s[2]))]
-    if len(small) > len(big):
+    if len(small.needed) > len(big.sigs):
         return False
-    cb = _counts(big)
-    if any(cb.get(k, 0) < n for k, n in _counts(small).items()):
+    if any(big.counts.get(k, 0) < n for k, n in small.needed_counts.items()):
         return False
+    volumes = big.volumes[scenario]
+    if any(volumes[k] < v for k, v in small.needed_volumes[scenario].items()):
+        return False
+    return _matching(small.needed, big.sigs, scenario) == len(small.needed)
 
-    def match(i, used):
-        if i == len(small):
-            return True
-        p, once, dims = small[i]
-        for j, (q, once_q, dims_q) in enumerate(big):
-            if j not in used and p == q and once == once_q and dims_le(dims, dims_q, scenario):
-                if match(i + 1, used | {j}):
+
+def _matching(small, big, scenario):
+    """Size of a maximum matching of ``small``'s calls to distinct ``big`` calls of the same
+    primitive and no larger sizes (augmenting paths, Kuhn: polynomial where backtracking over
+    the assignments is exponential on the long hop chains of TAGConv)."""
+    fits = [[j for j, (q, once_q, dims_q) in enumerate(big)
+             if p == q and once == once_q and dims_le(dims, dims_q, scenario)]
+            for p, once, dims in small]
+    owner = {}
+
+    def augment(i, seen):
+        for j in fits[i]:
+            if j not in seen:
+                seen.add(j)
+                if j not in owner or augment(owner[j], seen):
+                    owner[j] = i
                     return True
         return False
-    return match(0, frozenset())
+    return sum(augment(i, set()) for i in range(len(small)))
 
 
 def survivors(sigs, scenario):
-    """Indices of the trees not dominated by another in ``scenario``.
+    """Indices of the trees (lists of call signatures, or ``Calls``) not dominated by another
+    in ``scenario``.
 
     A skyline pass: trees are visited fewest calls first, each either dominated by one already
     kept (dropped), or kept, dropping those it dominates. Domination is transitive, so this is
     the all-pairs answer in O(trees x kept); among duplicates the first visited stays.
     """
-    order = sorted(range(len(sigs)), key=lambda i: (len(sigs[i]), i))
+    calls = [c if isinstance(c, Calls) else Calls.of(c) for c in sigs]
+    order = sorted(range(len(calls)), key=lambda i: (len(calls[i].sigs), i))
     kept = []
     for i in order:
-        if any(covered_by(sigs[j], sigs[i], scenario) for j in kept):
+        if any(covered_by(calls[j], calls[i], scenario) for j in kept):
             continue
-        kept = [j for j in kept if not covered_by(sigs[i], sigs[j], scenario)]
+        kept = [j for j in kept if not covered_by(calls[i], calls[j], scenario)]
         kept.append(i)
     return sorted(kept)
 
@@ -112,7 +166,8 @@ def prune(plans):
         first.setdefault(key, plan)
     uniq = sorted(first.values(), key=lambda p: p.index)
     sigs = [[st.sig for st in p.steps if st.sig is not None] for p in uniq]
-    alive = {s: set(survivors(sigs, s)) for s in SCENARIOS}
+    calls = [Calls.of(s) for s in sigs]
+    alive = {s: set(survivors(calls, s)) for s in SCENARIOS}
     promoted = []
     for i, plan in enumerate(uniq):
         plan.scenarios = tuple(s for s in SCENARIOS if i in alive[s])

@@ -241,27 +241,15 @@ def matmul(it, a, b, node):
 
 
 def cat_matmul(it, cat, w, node):
-    """``cat(X_0, ..., X_m) W = sum_i X_i W_i``, ``W_i`` the i-th block of rows of ``W``.
-
-    Summed right-nested, ``X_0 W_0 + (X_1 W_1 + (...))``, so common factors can come out."""
+    """``cat(X_0, ..., X_m) W``, kept whole: ``ir.split_cat_variants`` adds the sum of block
+    products ``X_0 W_0 + ... + X_m W_m`` (``W_i`` the i-th block of rows of ``W``) as a variant."""
     leaf = w.node
     if not (isinstance(leaf, ir.Leaf) and leaf.source[0] == "param" and leaf.rows is None):
         fail(node, "product of a concatenation", "only with a weight parameter")
     widths = {p.cols for p in cat.parts}
     if len(widths) != 1:
         fail(node, "product of a concatenation", "of parts of different widths")
-    m = len(cat.parts)
-    cols = fix_shape(it, leaf, "?").cols
-    terms = []
-    for i, part in enumerate(cat.parts):
-        block = it.leaf(f"{leaf.name}[{i}/{m}]", part.cols, cols, ir.DENSE, ir.WEIGHT,
-                        ("param_block", leaf.source[1], i, m, leaf.transposed))
-        terms.append(ir.matmul(part, block))
-    it.leaves.pop(leaf.name, None)
-    out = terms[-1]
-    for t in reversed(terms[:-1]):
-        out = ir.Add(t, out)
-    return Tensor(out, 2)
+    return Tensor(ir.matmul(cat, fix_shape(it, leaf, cat.cols)), 2)
 
 
 def fix_shape(it, leaf, rows):

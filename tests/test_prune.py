@@ -1,0 +1,67 @@
+"""Pruning: domination between trees, and early pruning of long products losing nothing."""
+from dgl.nn import TAGConv
+
+import granii.enumerate as en
+from granii.frontend import lower_layer
+from granii.plan import lower
+from granii.prune import GE, LT, Calls, covered_by, prune
+
+
+def calls(*sigs):
+    return Calls.of(sigs)
+
+
+def test_domination_needs_a_matching_not_a_greedy_pairing():
+    """``small``'s first GEMM fits both of ``big``'s, its second only the first: pairing the
+    first with the first (greedy) fails, the matching pairs them crosswise."""
+    small = calls(("gemm", False, ("N", "k_out", "k_out")), ("gemm", False, ("N", "k_in", "k_in")))
+    big = calls(("gemm", False, ("N", "k_in", "k_in")), ("gemm", False, ("N", "k_in", "k_out")))
+    assert covered_by(small, big, GE)
+    assert not covered_by(small, big, LT)        # k_in x k_in is larger than k_in x k_out there
+    assert not covered_by(big, small, GE)
+
+
+def test_domination_counts_calls_and_ignores_amortised_vectors():
+    spmm = ("spmm", False, ("E", "k_in"))
+    degree = ("diag_mul", True, ("N",))
+    assert covered_by(calls(spmm, degree), calls(spmm), GE)
+    assert not covered_by(calls(spmm, spmm), calls(spmm), GE)
+    assert not covered_by(calls(("spmm", False, ("E", "k_out"))), calls(spmm), LT)
+
+
+def _equivalent_survivors(plans, others):
+    """Each plan of ``plans``, in each scenario it survives, has a plan of ``others`` surviving
+    there that dominates it and that it dominates (the same calls up to equal sizes)."""
+    def calls_of(p):
+        return Calls.of([s.sig for s in p.steps if s.sig])
+    return all(any(sc in q.scenarios and covered_by(calls_of(p), calls_of(q), sc)
+                   and covered_by(calls_of(q), calls_of(p), sc) for q in others)
+               for p in plans for sc in p.scenarios)
+
+
+def test_early_pruning_of_tagconv_with_three_hops_keeps_every_survivor(monkeypatch):
+    """TAGConv(k=3) has 16,754 trees. Pruning each product, and each partial combination of
+    products, before lowering must promote the same compositions as pruning them all (up to
+    which of two equivalent trees stands for both)."""
+    root = lower_layer(TAGConv(4, 3, k=3)).root
+    early, n = en.layer_forest(root)
+    monkeypatch.setattr(en, "COMBINE_LIMIT", float("inf"))
+    full, n_full = en.layer_forest(root)
+    assert n == n_full == len(full) == 16754 and len(early) < len(full) / 10
+    a, b = (prune([lower(i, r, c) for i, (r, c) in enumerate(f)]) for f in (early, full))
+    assert len(a) == len(b) and _equivalent_survivors(a, b) and _equivalent_survivors(b, a)
+
+
+def test_tagconv_concatenation_is_a_candidate_for_wide_outputs():
+    """``cat(H, N H, N N H) W`` (DGL's own composition: hops at the input width, one GEMM over
+    the stacked width) survives for k_in < k_out, next to the split and factored forms."""
+    root = lower_layer(TAGConv(4, 3, k=2)).root
+    forest, n = en.layer_forest(root)
+    plans = prune([lower(i, r, c) for i, (r, c) in enumerate(forest)])
+    stacked = [p for p in plans if any(s.prim == "cat" for s in p.steps)]
+    assert stacked and all(LT in p.scenarios for p in stacked)
+    gemms = [s.sig[2] for p in stacked for s in p.steps if s.prim == "gemm"]
+    assert ("N", "k_in+k_in+k_in", "k_out") in gemms
+    assert any(p.composition().count("gemm") == 3 for p in plans)     # split: one per hop
+    assert (n, len(plans)) == (178, 14)
+

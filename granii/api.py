@@ -29,7 +29,7 @@ from . import ir
 from .enumerate import TooManyTrees, layer_forest
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .graph import graph_info
-from .plan import COMPUTED, compile_plan, fuse_gemm_add, lower, plan_code
+from .plan import COMPUTED, compile_plan, fuse_gemm_add, lower, plan_code, tree_calls
 from .prune import prune
 from .select import EXPECTED_CALLS, rank
 
@@ -300,11 +300,9 @@ def _compile(module, present, is_block, real=None):
     except TooManyTrees as e:
         e.spec, e.config = lir.spec, lir.config
         return e
-    promoted = prune([lower(i, root, choice, heads=lir.heads)
-                      for i, (root, choice) in enumerate(forest)])
-    for i, plan in enumerate(promoted):
-        plan.index = i
-        fuse_gemm_add(plan)
+    kept = prune([tree_calls(root, choice) for root, choice in forest])
+    promoted = [fuse_gemm_add(lower(i, *forest[t], scenarios, heads=lir.heads))
+                for i, (t, scenarios) in enumerate(sorted(kept.items()))]
     leaves = {v: l for plan in promoted for v, l in plan.leaves.items()}
     return Compiled(lir, n_trees, promoted, leaves)
 

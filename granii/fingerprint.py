@@ -13,6 +13,7 @@ and its id is the first 12 hex digits of the SHA-256 of these fields as sorted J
 folder ``costmodels/<id>/`` holding this machine's models.
 """
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -33,12 +34,13 @@ def cpu_model():
     return platform.processor() or platform.machine() or "unknown"
 
 
-def _version(module_name):
+def _version(package):
+    """The installed version of ``package``, read from its metadata (importing xgboost would
+    import scikit-learn and scipy: two seconds on the first call of a model)."""
     try:
-        module = __import__(module_name)
-    except ImportError:
+        return importlib.metadata.version(package).split("+")[0]
+    except importlib.metadata.PackageNotFoundError:
         return "missing"
-    return str(getattr(module, "__version__", "unknown")).split("+")[0]
 
 
 def machine_fingerprint(threads=None):

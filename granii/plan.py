@@ -116,13 +116,11 @@ def lower(index, root, choice, scenarios=(), heads=None):
         if isinstance(n, ir.Add):
             a, b = value(n.a), value(n.b)
             lv = ir_leaves(n)
-            sig = None if n.b.rows == "1" else ("add", False, (n.rows, n.cols))
-            return emit(n, "add", (a, b), _when(lv), str(n), sig, _inputs(lv))
+            return emit(n, "add", (a, b), _when(lv), str(n), signature(n), _inputs(lv))
         if isinstance(n, ir.Cat):
             parts = tuple(value(p) for p in n.parts)
             lv = ir_leaves(n)
-            return emit(n, "cat", parts, _when(lv), str(n), ("cat", False, (n.rows, n.cols)),
-                        _inputs(lv))
+            return emit(n, "cat", parts, _when(lv), str(n), signature(n), _inputs(lv))
         if isinstance(n, ir.Apply):
             x = value(n.x)
             var = emit(n, "apply", (x,), EVERY, str(n))
@@ -133,12 +131,10 @@ def lower(index, root, choice, scenarios=(), heads=None):
             return names[n]
         if isinstance(n, ir.EdgeScore):
             a, b = value(n.a), value(n.b)
-            return emit(n, "sddmm_add", (a, b), _when(ir_leaves(n)), str(n),
-                        ("sddmm_add", False, ("E",)))
+            return emit(n, "sddmm_add", (a, b), _when(ir_leaves(n)), str(n), signature(n))
         if isinstance(n, ir.EdgeSoftmax):
             e = value(n.e)
-            return emit(n, "edge_softmax", (e,), _when(ir_leaves(n)), str(n),
-                        ("edge_softmax", False, ("E",)))
+            return emit(n, "edge_softmax", (e,), _when(ir_leaves(n)), str(n), signature(n))
         if isinstance(n, ir.EdgeScale):
             e, w = value(n.e), value(n.w)
             return emit(n, "edge_scale", (e, w), EVERY, str(n))
@@ -148,8 +144,7 @@ def lower(index, root, choice, scenarios=(), heads=None):
         if isinstance(n, ir.Aggregate):
             x = value(n.x)
             lv = ir_leaves(n)
-            return emit(n, n.prim, (x,), _when(lv), str(n), (n.prim, False, ("E", n.cols)),
-                        _inputs(lv))
+            return emit(n, n.prim, (x,), _when(lv), str(n), signature(n), _inputs(lv))
         raise TypeError(f"cannot lower {n!r}")
 
     def node_step(n):
@@ -185,6 +180,22 @@ def lower(index, root, choice, scenarios=(), heads=None):
 
     plan.out = value(root)
     return plan
+
+
+def tree_calls(root, choice):
+    """The signatures of the priced calls ``lower(i, root, choice)`` makes, each distinct
+    sub-result once, without lowering: what pruning compares."""
+    seen = {}
+
+    def visit(n):
+        if isinstance(n, ir.MatMul):
+            visit(choice[n])
+        elif not isinstance(n, ir.Leaf) and n not in seen:
+            seen[n] = None
+            for c in (n.parts if isinstance(n, Node) else ir.children(n)):
+                visit(c)
+    visit(root)
+    return [s for s in map(signature, seen) if s is not None]
 
 
 def _inputs(leaf_set):

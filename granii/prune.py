@@ -18,6 +18,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from . import ir
+
 
 GE, LT = ">=", "<"          # k_in >= k_out, k_in < k_out
 SCENARIOS = (GE, LT)
@@ -27,7 +29,20 @@ _ORDER = {GE: {("k_out", "k_in"), ("N_dst", "N_src")},
 
 @functools.lru_cache(maxsize=1 << 16)
 def signature(node):
-    """``(primitive, once_per_graph, sizes)`` of one primitive call of an association tree."""
+    """``(primitive, once_per_graph, sizes)`` of the call that computes ``node`` (an inner node
+    of an association tree or of the IR), or ``None`` for what is not priced (inline steps)."""
+    if isinstance(node, ir.Add):
+        return None if node.b.rows == "1" else ("add", False, (node.rows, node.cols))
+    if isinstance(node, ir.Cat):
+        return "cat", False, (node.rows, node.cols)
+    if isinstance(node, ir.EdgeScore):
+        return "sddmm_add", False, ("E",)
+    if isinstance(node, ir.EdgeSoftmax):
+        return "edge_softmax", False, ("E",)
+    if isinstance(node, ir.Aggregate):
+        return node.prim, False, ("E", node.cols)
+    if not hasattr(node, "parts"):
+        return None
     if node.prim == "gemm":
         left = node.parts[0]
         dims = (left.rows, left.cols, node.cols)
@@ -155,22 +170,21 @@ def survivors(sigs, scenario):
     return sorted(kept)
 
 
-def prune(plans):
-    """The promoted plans, each with ``scenarios`` set to those it survives; the rest dropped.
+def prune(call_lists):
+    """``{index: scenarios}`` of the promoted trees, given each tree's priced calls (signatures);
+    the trees not listed are dominated in both scenarios.
 
-    Plans with the same multiset of signatures are duplicates: only the one with the fewest
+    Trees with the same multiset of signatures are duplicates: only the one with the fewest
     calls (then the first) takes part."""
     first = {}
-    for plan in sorted(plans, key=lambda p: (len(p.steps), p.index)):
-        key = tuple(sorted(st.sig for st in plan.steps if st.sig is not None))
-        first.setdefault(key, plan)
-    uniq = sorted(first.values(), key=lambda p: p.index)
-    sigs = [[st.sig for st in p.steps if st.sig is not None] for p in uniq]
-    calls = [Calls.of(s) for s in sigs]
+    for i in sorted(range(len(call_lists)), key=lambda i: (len(call_lists[i]), i)):
+        first.setdefault(tuple(sorted(call_lists[i])), i)
+    uniq = sorted(first.values())
+    calls = [Calls.of(call_lists[i]) for i in uniq]
     alive = {s: set(survivors(calls, s)) for s in SCENARIOS}
-    promoted = []
-    for i, plan in enumerate(uniq):
-        plan.scenarios = tuple(s for s in SCENARIOS if i in alive[s])
-        if plan.scenarios:
-            promoted.append(plan)
+    promoted = {}
+    for j, i in enumerate(uniq):
+        scenarios = tuple(s for s in SCENARIOS if j in alive[s])
+        if scenarios:
+            promoted[i] = scenarios
     return promoted

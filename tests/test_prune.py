@@ -1,9 +1,10 @@
 """Pruning: domination between trees, and early pruning of long products losing nothing."""
-from dgl.nn import TAGConv
+from dgl.nn import GATConv, GINConv, TAGConv
+from torch import nn
 
 import granii.enumerate as en
 from granii.frontend import lower_layer
-from granii.plan import lower
+from granii.plan import lower, tree_calls
 from granii.prune import GE, LT, Calls, covered_by, prune
 
 
@@ -29,6 +30,19 @@ def test_domination_counts_calls_and_ignores_amortised_vectors():
     assert not covered_by(calls(("spmm", False, ("E", "k_out"))), calls(spmm), LT)
 
 
+def promoted_plans(forest):
+    kept = prune([tree_calls(root, choice) for root, choice in forest])
+    return [lower(i, *forest[i], scenarios) for i, scenarios in kept.items()]
+
+
+def test_tree_calls_are_the_priced_steps_of_the_lowered_plan():
+    for layer in (TAGConv(4, 3, k=2), GATConv(4, 3, 2), GINConv(nn.Linear(4, 3), "sum")):
+        forest, _ = en.layer_forest(lower_layer(layer).root)
+        for i, (root, choice) in enumerate(forest):
+            plan = lower(i, root, choice)
+            assert sorted(tree_calls(root, choice)) == sorted(s.sig for s in plan.steps if s.sig)
+
+
 def _equivalent_survivors(plans, others):
     """Each plan of ``plans``, in each scenario it survives, has a plan of ``others`` surviving
     there that dominates it and that it dominates (the same calls up to equal sizes)."""
@@ -48,7 +62,7 @@ def test_early_pruning_of_tagconv_with_three_hops_keeps_every_survivor(monkeypat
     monkeypatch.setattr(en, "COMBINE_LIMIT", float("inf"))
     full, n_full = en.layer_forest(root)
     assert n == n_full == len(full) == 16754 and len(early) < len(full) / 10
-    a, b = (prune([lower(i, r, c) for i, (r, c) in enumerate(f)]) for f in (early, full))
+    a, b = (promoted_plans(f) for f in (early, full))
     assert len(a) == len(b) and _equivalent_survivors(a, b) and _equivalent_survivors(b, a)
 
 
@@ -57,7 +71,7 @@ def test_tagconv_concatenation_is_a_candidate_for_wide_outputs():
     the stacked width) survives for k_in < k_out, next to the split and factored forms."""
     root = lower_layer(TAGConv(4, 3, k=2)).root
     forest, n = en.layer_forest(root)
-    plans = prune([lower(i, r, c) for i, (r, c) in enumerate(forest)])
+    plans = promoted_plans(forest)
     stacked = [p for p in plans if any(s.prim == "cat" for s in p.steps)]
     assert stacked and all(LT in p.scenarios for p in stacked)
     gemms = [s.sig[2] for p in stacked for s in p.steps if s.prim == "gemm"]

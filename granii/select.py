@@ -78,16 +78,12 @@ def _heads(plan):
 
 def _predict(model, prim, impl, gi, dims, heads):
     """Predicted seconds of one call. With several attention heads, edge scores and softmax
-    carry ``heads`` values per edge, and the weighted SpMM is one call per head of width
-    ``k / heads`` for implementations without native heads (torch CSR), one call of width ``k``
-    for DGL's."""
-    if heads == 1 or prim not in ("sddmm_add", "edge_softmax", "spmm_weighted"):
-        return model.predict(prim, impl, gi, dims)
-    if prim != "spmm_weighted":
+    carry ``heads`` values per edge; a weighted SpMM over heads is one call of the full width
+    ``k`` in both implementations (DGL's native heads; torch's interleaved CSR product with
+    ``heads`` values per edge on rows of ``k / heads``: the same multiply-adds)."""
+    if heads > 1 and prim in ("sddmm_add", "edge_softmax"):
         return model.predict(prim, impl, gi, dict(dims, heads=heads))
-    if impl == "dgl":
-        return model.predict(prim, impl, gi, dims)
-    return heads * model.predict(prim, impl, gi, dict(dims, k=max(1, dims["k"] // heads)))
+    return model.predict(prim, impl, gi, dims)
 
 
 def _needs_grad(plan, training, input_grad):

@@ -310,8 +310,8 @@ def test_spmm_weighted_constant_cache(graph):
         torch.testing.assert_close(y.double(), a @ x.double(), atol=ATOL, rtol=RTOL)
         entries.append(gi.cache[("torch_csr_w", id(w))])
     assert entries[0] is entries[1]
-    assert entries[0]["a"][0] is entries[1]["a"][0]
-    assert entries[0]["at"] is not None and entries[0]["at"][0] is entries[1]["at"][0]
+    assert entries[0]["a"] is entries[1]["a"]
+    assert entries[0]["at"] is not None and entries[0]["at"] is entries[1]["at"]
 
     w.mul_(2)  # in place: a new version, the cached matrices are stale
     x = torch.randn(graph.num_src_nodes(), 4)

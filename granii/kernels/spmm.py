@@ -48,11 +48,38 @@ def unit_csr(gi, dtype=torch.float32):
     return gi.memo(("torch_csr_unit", dtype), make)
 
 
-def _head_csrs(gi, which, w2):
-    """One CSR matrix per head: ``A_w`` (``which="a"``) or ``A_w^T`` (``"at"``) for ``w2`` of shape ``(E, H)``."""
-    index = _structure(gi)[which]
-    vals = w2[index[2]].t().contiguous()
-    return [_csr(index, vals[h]) for h in range(vals.shape[0])]
+def _head_index(gi, which, heads):
+    """CSR indices of ``M`` = ``A`` or ``A^T`` with ``heads`` values per edge, interleaved: row
+    ``v H + h`` holds head ``h`` of row ``v``, column ``u H + h`` head ``h`` of column ``u``. Then
+    ``X`` of shape ``(n, H, K)`` is the ``(n H, K)`` operand as it lies in memory, and every head
+    is one CSR product, with no transposed copies. Once per graph and number of heads.
+
+    Returns ``(crow, col, flat, size)``: ``flat[j]`` is the index into the ``(E, H)`` edge values
+    (DGL edge order, flattened) of CSR entry ``j``.
+    """
+    def make():
+        crow, col, perm, (rows, cols) = _structure(gi)[which]
+        crow, col, e = crow.long(), col.long(), col.shape[0]
+        deg = crow[1:] - crow[:-1]
+        row = torch.repeat_interleave(torch.arange(rows), deg)
+        h = torch.arange(heads).reshape(-1, 1)
+        pos = (crow[row] * (heads - 1) + torch.arange(e)) + h * deg[row]
+        col_h = torch.empty(e * heads, dtype=torch.long)
+        flat = torch.empty(e * heads, dtype=torch.long)
+        col_h[pos.reshape(-1)] = (col * heads + h).reshape(-1)
+        flat[pos.reshape(-1)] = (perm * heads + h).reshape(-1)
+        crow_h = torch.cat([(crow[:-1] * heads + h * deg).t().reshape(-1), crow[-1:] * heads])
+        small = heads * max(e, rows, cols) <= _INT32_MAX
+        cast = (lambda t: t.int()) if small else (lambda t: t)
+        return cast(crow_h), cast(col_h), flat, (heads * rows, heads * cols)
+    return gi.memo(("torch_csr_heads", which, heads), make)
+
+
+def _head_csr(gi, which, w2):
+    """``A_w`` (``which="a"``) or ``A_w^T`` (``"at"``) with the ``(E, H)`` edge values ``w2``, as
+    one interleaved CSR matrix (``_head_index``)."""
+    index = _head_index(gi, which, w2.shape[1])
+    return _csr(index, torch.index_select(w2.reshape(-1), 0, index[2]))
 
 
 def _cached_weighted(gi, w, w2):
@@ -70,7 +97,7 @@ def _cached_weighted(gi, w, w2):
               if isinstance(k, tuple) and k[0] == "torch_csr_w" and e["ref"]() is None]:
         del gi.cache[k]
     entry = {"ref": weakref.ref(w), "version": w._version, "dtype": w.dtype,
-             "a": _head_csrs(gi, "a", w2), "at": None}
+             "a": _head_csr(gi, "a", w2), "at": None}
     gi.cache[key] = entry
     return entry
 
@@ -88,48 +115,40 @@ class _SpMM(torch.autograd.Function):
         return ctx.at @ dy.contiguous(), None, None
 
 
-def _per_head(mats, xh):
-    """``stack_h(mats[h] @ xh[h])``, without a copy for one head."""
-    if len(mats) == 1:
-        return (mats[0] @ xh[0]).unsqueeze(0)
-    return torch.stack([m @ x for m, x in zip(mats, xh)])
-
-
 class _SpMMWeighted(torch.autograd.Function):
     """Per head ``h``: ``Y_h = A_{w_h} X_h``, ``dX_h = A_{w_h}^T dY_h``, ``dw_{e,h} = <dY_h[v], X_h[u]>``.
 
-    ``w2``: ``(E, H)``; ``xh``: ``(H, n_src, K)``; returns ``(H, n_dst, K)``. ``entry`` is the cache
-    entry of a constant ``w`` (then ``w2`` needs no grad) or ``None``.
+    ``w2``: ``(E, H)``; ``x``: ``(n_src, H, K)``; returns ``(n_dst, H, K)``. ``entry`` is the cache
+    entry of a constant ``w`` (then ``w2`` needs no grad) or ``None``. All heads run as one CSR
+    product on interleaved rows (``_head_index``); ``dw`` is one SDDMM (DGL's ``u_dot_v``, which
+    gives it in edge order).
     """
 
     @staticmethod
-    def forward(ctx, w2, xh, gi, entry):
-        a = entry["a"] if entry is not None else _head_csrs(gi, "a", w2)
-        ctx.save_for_backward(w2, xh if ctx.needs_input_grad[0] else None)
+    def forward(ctx, w2, x, gi, entry):
+        a = entry["a"] if entry is not None else _head_csr(gi, "a", w2)
+        ctx.save_for_backward(w2, x if ctx.needs_input_grad[0] else None)
         ctx.gi, ctx.entry = gi, entry
-        return _per_head(a, xh)
+        n, heads, k = x.shape
+        return (a @ x.reshape(n * heads, k)).reshape(-1, heads, k)
 
     @staticmethod
     def backward(ctx, dy):
-        w2, xh = ctx.saved_tensors
+        w2, x = ctx.saved_tensors
         gi, entry = ctx.gi, ctx.entry
-        dy = dy.contiguous()
+        n_dst, heads, k = dy.shape
+        dy = dy.reshape(n_dst * heads, k)
         dw = dx = None
         if ctx.needs_input_grad[1]:
             if entry is not None:
                 if entry["at"] is None:
-                    entry["at"] = _head_csrs(gi, "at", w2)
+                    entry["at"] = _head_csr(gi, "at", w2)
                 at = entry["at"]
             else:
-                at = _head_csrs(gi, "at", w2)
-            dx = _per_head(at, dy)
+                at = _head_csr(gi, "at", w2)
+            dx = (at @ dy).reshape(-1, heads, k)
         if ctx.needs_input_grad[0]:
-            pattern = unit_csr(gi, xh.dtype)[0]
-            vals = torch.stack([
-                torch.sparse.sampled_addmm(pattern, dy[h], xh[h].t(), beta=0.0).values()
-                for h in range(xh.shape[0])], 1)
-            dw = torch.empty_like(w2)
-            dw[_structure(gi)["a"][2]] = vals
+            dw = dgl.ops.u_dot_v(gi.g, x, dy.reshape(n_dst, heads, k)).reshape(w2.shape)
         return dw, dx, None, None
 
 
@@ -175,18 +194,12 @@ def spmm_weighted_torch_csr(gi, w, x):
     n, e = x.shape[0], gi.num_edges
     heads = w.numel() // e if e else 1
     w2 = w.reshape(e, heads)
-    if heads == 1:
-        xh = x.reshape(1, n, -1)
-    else:
-        if x.dim() < 2 or x.shape[1] != heads:
-            raise ValueError(f"granii: {heads}-head edge values need x of shape (n, {heads}[, k]), "
-                             f"got {tuple(x.shape)}")
-        xh = x.reshape(n, heads, -1).transpose(0, 1).contiguous()
+    if heads > 1 and (x.dim() < 2 or x.shape[1] != heads):
+        raise ValueError(f"granii: {heads}-head edge values need x of shape (n, {heads}[, k]), "
+                         f"got {tuple(x.shape)}")
     entry = None if w.requires_grad else _cached_weighted(gi, w, w2)
-    y = _SpMMWeighted.apply(w2, xh, gi, entry)
-    if heads == 1:
-        return y.reshape(gi.num_dst, *x.shape[1:])
-    return y.transpose(0, 1).reshape(gi.num_dst, *x.shape[1:])
+    y = _SpMMWeighted.apply(w2, x.reshape(n, heads, -1).contiguous(), gi, entry)
+    return y.reshape(gi.num_dst, *x.shape[1:])
 
 
 @register("spmm_mean", "dgl")

@@ -21,6 +21,7 @@ Inner nodes:
     Apply(fn, x)           a barrier: a non-linear function nothing re-associates across
     Aggregate(prim, x)     a barrier that needs the graph: a non-linear aggregation (max, min)
     Store(attr, x)         a barrier: ``x``, also kept on the module (``self.attr = x``)
+    Cat(parts)             ``[X_0, X_1, ...]`` side by side (width ``k+k+...``), multiplied by a weight
 
 Edge values (attention):
 
@@ -192,8 +193,9 @@ class Store(_Inner):
 @cached_hash
 @dataclass(frozen=True)
 class Cat(_Inner):
-    """``[X_0, X_1, ...]`` concatenated along columns; only a product ``Cat . W`` is lowered, as
-    ``sum_i X_i W_i`` with ``W_i`` the row blocks of ``W`` (TAGConv's hop stack)."""
+    """``[X_0, X_1, ...]`` concatenated along columns (TAGConv's hop stack), as the left operand of
+    a product with a weight ``W``: one GEMM over the stacked width ``k+k+...``, or, after
+    ``split_cat_variants``, the sum ``sum_i X_i W_i`` with ``W_i`` the row blocks of ``W``."""
     parts: tuple
 
     @property

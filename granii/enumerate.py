@@ -164,6 +164,7 @@ def products(root):
 
 
 TREE_LIMIT = 100_000
+LONG_PRODUCT = 14
 COMBINE_LIMIT = 100
 PARTIAL_LIMIT = 30
 
@@ -178,11 +179,18 @@ def layer_forest(root):
     in all), the trees dominated in both size scenarios are dropped (``prune``'s rule), first
     those of each product, then while the products are combined one at a time, those of the
     partial combinations (on their distinct calls: a sub-result shared by two products counts
-    once). Layers with more than ``TREE_LIMIT`` trees in all (TAGConv with 4 hops has two
-    million) raise ``TooManyTrees``: pruning them would take longer than the layer saves.
+    once). A layer with more than ``TREE_LIMIT`` trees in all (TAGConv with 4 hops has two
+    million) is associated only as written (TAGConv: the stacked hops, each hop's product in
+    every way), not in its split, distributed and factored forms; so is a layer with a product
+    of more than ``LONG_PRODUCT`` factors (TAGConv with 5 hops or more), whose forms alone take
+    long to list. If the layer as written has more trees, it raises ``TooManyTrees``: pruning
+    them would take longer than the layer saves.
     """
-    variants = [f for c in ir.split_cat_variants(root) for d in ir.distribute_variants(c)
-                for f in ir.factor_variants(d)]
+    if max((len(p.args) for p in products(root)), default=0) > LONG_PRODUCT:
+        variants = [root]                   # TAGConv with 5 or more hops: even the forms are many
+    else:
+        variants = [f for c in ir.split_cat_variants(root) for d in ir.distribute_variants(c)
+                    for f in ir.factor_variants(d)]
     per_variant = []
     for variant in dict.fromkeys(variants):
         prods = list(dict.fromkeys(products(variant)))
@@ -190,8 +198,10 @@ def layer_forest(root):
         per_variant.append((variant, prods, options, math.prod(len(o) for o in options)))
     total = sum(n for *_, n in per_variant)
     if total > TREE_LIMIT:
-        raise TooManyTrees(f"{total} association trees: too many to prune at run time "
-                           f"(limit {TREE_LIMIT})")
+        per_variant = [v for v in per_variant if v[0] == root]      # the layer as written
+        if per_variant[0][3] > TREE_LIMIT:
+            raise TooManyTrees(f"{total} association trees: too many to prune at run time "
+                               f"(limit {TREE_LIMIT})")
     forest = []
     for variant, prods, options, n in per_variant:
         large = n > COMBINE_LIMIT

@@ -3,6 +3,7 @@ from dgl.nn import GATConv, GINConv, TAGConv
 from torch import nn
 
 import granii.enumerate as en
+from granii import ir
 from granii.frontend import lower_layer
 from granii.plan import lower, tree_calls
 from granii.prune import GE, LT, Calls, covered_by, prune
@@ -64,6 +65,15 @@ def test_early_pruning_of_tagconv_with_three_hops_keeps_every_survivor(monkeypat
     assert n == n_full == len(full) == 16754 and len(early) < len(full) / 10
     a, b = (promoted_plans(f) for f in (early, full))
     assert len(a) == len(b) and _equivalent_survivors(a, b) and _equivalent_survivors(b, a)
+
+
+def test_tagconv_with_four_hops_is_associated_as_written():
+    """Four hops have two million trees over all split, distributed and factored forms: only the
+    stacked form as written is associated (each hop's product in every way)."""
+    root = lower_layer(TAGConv(4, 3, k=4)).root
+    forest, n = en.layer_forest(root)
+    assert n == 2124472 and forest and all(r == root for r, _ in forest)
+    assert isinstance(root.a.args[0], ir.Cat)          # cat(H, N H, ...) W + bias
 
 
 def test_tagconv_concatenation_is_a_candidate_for_wide_outputs():

@@ -382,7 +382,7 @@ def _check_size(state, leaf, val, symbols, feat):
     for sym, n in zip(dims, val.shape[-len(dims):]):
         if sym == "1":
             continue
-        if "+" in sym:          # a concatenation's width: checked through its parts
+        if "+" in sym:      # a concatenation's width: its parts are checked on their own leaves
             continue
         have = symbols.setdefault(sym, n)
         if have != n:

@@ -15,7 +15,6 @@ scenarios is dropped; the others are promoted, annotated with the scenarios they
 """
 import functools
 import itertools
-import math
 from dataclasses import dataclass
 
 from . import ir
@@ -77,24 +76,6 @@ def _counts(sigs):
     return out
 
 
-# Sizes consistent with each scenario's order: if a call is no larger than another, its
-# product of sizes here is no larger either (a cheap necessary test before matching).
-_VALUES = {GE: {"k_in": 5, "k_out": 3, "N_src": 7, "N_dst": 6},
-           LT: {"k_in": 3, "k_out": 5, "N_src": 7, "N_dst": 6}}
-
-
-@functools.lru_cache(maxsize=None)
-def _volume(dims, scenario):
-    return math.prod(_VALUES[scenario].get(d, 11 + len(d)) for d in dims)
-
-
-def _volumes(sigs, scenario):
-    out = {}
-    for p, once, dims in sigs:
-        out[(p, once)] = out.get((p, once), 0) + _volume(dims, scenario)
-    return out
-
-
 @dataclass(frozen=True)
 class Calls:
     """A tree's call signatures, with what ``covered_by`` reads of them computed once."""
@@ -102,16 +83,12 @@ class Calls:
     counts: dict          # (primitive, once) -> number of calls
     needed: tuple         # the calls another tree must match to dominate it
     needed_counts: dict
-    volumes: dict         # scenario -> (primitive, once) -> total size of all calls
-    needed_volumes: dict  # the same of ``needed``
 
     @classmethod
     def of(cls, sigs):
         sigs = tuple(sigs)
         needed = tuple(s for s in sigs if not (s[1] and not any(d.startswith("k") for d in s[2])))
-        return cls(sigs, _counts(sigs), needed, _counts(needed),
-                   {sc: _volumes(sigs, sc) for sc in SCENARIOS},
-                   {sc: _volumes(needed, sc) for sc in SCENARIOS})
+        return cls(sigs, _counts(sigs), needed, _counts(needed))
 
 
 def covered_by(small, big, scenario):
@@ -124,9 +101,6 @@ def covered_by(small, big, scenario):
     if len(small.needed) > len(big.sigs):
         return False
     if any(big.counts.get(k, 0) < n for k, n in small.needed_counts.items()):
-        return False
-    volumes = big.volumes[scenario]
-    if any(volumes[k] < v for k, v in small.needed_volumes[scenario].items()):
         return False
     return _matching(small.needed, big.sigs, scenario) == len(small.needed)
 

@@ -3,7 +3,7 @@
 ``torch_csr`` implementations multiply with torch CSR tensors inside custom autograd functions:
 the backward ``dX = A^T dY`` uses a transpose built once per graph from ``gi.csr_out()`` and kept in
 ``gi.cache`` (torch's own CSR backward re-transposes ``A`` on every call), and the edge-value
-gradient is the SDDMM ``dw_e = <dY[v], X[u]>`` evaluated on the sparsity pattern of ``A``.
+gradient is the SDDMM ``dw_e = <dY[v], X[u]>`` (DGL's ``u_dot_v``, in edge order).
 """
 import weakref
 

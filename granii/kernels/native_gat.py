@@ -1,0 +1,209 @@
+"""GAT's attention fused with its aggregation (primitive ``gat_aggregate``), and native SDDMM-add
+and edge-softmax kernels (implementation ``"native"`` of ``sddmm_add`` and ``edge_softmax``).
+
+``gat_aggregate(gi, el, er, feat, slope, edge_weight=None)``, per destination ``v`` and head ``h``::
+
+    x_e = el[u, h] + er[v, h]                      for each in-edge e = (u -> v)
+    a_e = exp(lrelu(x_e)) / sum_{e' -> v} exp(lrelu(x_e'))      (lrelu: leaky ReLU, ``slope``)
+    out[v, h, :] = sum_{e -> v} a_e * w_e * feat[u, h, :]         (w_e = 1 without edge weights)
+
+which is DGL's ``GATConv`` after its projections: ``u_add_v``, ``leaky_relu``, ``edge_softmax``,
+the product with ``edge_weight`` and ``u_mul_e_sum``. Rows without in-edges give 0.
+Shapes: ``el`` ``(num_src, H[, 1])``, ``er`` ``(num_dst, H[, 1])``, ``feat`` ``(num_src, H, F)``,
+``edge_weight`` ``(E,)`` (or ``(E, 1[, 1])``) in DGL edge-id order; out ``(num_dst, H, F)``.
+
+The native kernel makes one pass over the in-edges of each destination row for all heads: the
+scores stay in a per-row scratch buffer, never in an edge x head tensor. The backward keeps each
+row's max and ``1 / sum`` (``num_dst x H``) and the output, recomputes ``a_e``, and walks the
+transpose ``A^T`` (kept once per graph) so that the source-side gradients (``feat``, ``el``) are
+summed per source row without races; ``D_v = <dout[v], out[v]>`` gives the softmax's row term
+without another pass over the edges.
+
+Attention dropout (GATConv's ``attn_drop`` with ``p > 0`` in training) draws a mask on ``a``
+between the softmax and the aggregation; the fused kernel cannot reproduce that draw, so
+``fusable(attn_drop_p, training)`` is False then and the caller must run the unfused primitives
+(``sddmm_add``, leaky ReLU, ``edge_softmax``, dropout, ``spmm_weighted``).
+"""
+import dgl
+import torch
+import torch.nn.functional as F
+
+from granii.kernels import softmax as _softmax
+from granii.kernels import sddmm as _sddmm
+from granii.kernels import spmm as _spmm
+from granii.kernels.registry import register
+
+_INT32_MAX = 2**31 - 1
+
+
+def native_available():
+    """True when the compiled extension with the GAT kernels is loaded."""
+    try:
+        import granii._native  # noqa: F401  (loads the library that registers torch.ops.granii)
+    except ImportError:
+        pass
+    return hasattr(torch.ops.granii, "gat_forward")
+
+
+def fusable(attn_drop_p=0.0, training=False):
+    """Whether ``gat_aggregate`` computes the layer: not when attention dropout draws a mask."""
+    return not (training and attn_drop_p > 0)
+
+
+def _index(gi):
+    """CSR of ``A`` (rows = destinations) and ``A^T`` (rows = sources), each ``(indptr, indices,
+    eids)``, and the COO ``(src, dst)`` in edge-id order; int32 when every index fits. Once per graph."""
+    def make():
+        small = max(gi.num_edges, gi.num_src, gi.num_dst) < _INT32_MAX
+        cast = (lambda t: t.int().contiguous()) if small else (lambda t: t.contiguous())
+        return {"a": tuple(cast(t) for t in gi.csr_in()),
+                "at": tuple(cast(t) for t in gi.csr_out()),
+                "coo": tuple(cast(t) for t in gi.edges())}
+    return gi.memo("native_gat_index", make)
+
+
+def _heads(t, n):
+    """``el``/``er`` of shape ``(n,)``, ``(n, H)`` or ``(n, H, 1)`` as a contiguous ``(n, H)``."""
+    return t.reshape(n, -1).contiguous()
+
+
+class _GatFused(torch.autograd.Function):
+    """Fused ``gat_aggregate`` on ``(el2, er2, feat3, w)``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, el, er, feat, w, gi, slope):
+        idx = _index(gi)
+        out, mx, inv = torch.ops.granii.gat_forward(*idx["a"], el, er, feat, w, slope)
+        ctx.save_for_backward(el, er, feat, w, mx, inv, out)
+        ctx.gi, ctx.slope = gi, slope
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        el, er, feat, w, mx, inv, out = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        idx = _index(ctx.gi)
+        indptr, _, eids = idx["a"]
+        grads = torch.ops.granii.gat_backward(
+            indptr, eids, *idx["at"], el, er, feat, w, ctx.slope, mx, inv, out, dout.contiguous(),
+            need[0], need[1], need[2], need[3] and w is not None)
+        return tuple(g if n else None for g, n in zip(grads, need[:4])) + (None, None)
+
+
+def _check_shapes(gi, el, er, feat, edge_weight):
+    if feat.dim() != 3 or feat.shape[0] != gi.num_src:
+        raise ValueError(f"granii: feat must be (num_src={gi.num_src}, H, F), got {tuple(feat.shape)}")
+    heads = feat.shape[1]
+    if el.numel() != gi.num_src * heads or er.numel() != gi.num_dst * heads:
+        raise ValueError(f"granii: el must hold (num_src, {heads}) and er (num_dst, {heads}) scores, "
+                         f"got {tuple(el.shape)} and {tuple(er.shape)}")
+    if edge_weight is not None and edge_weight.numel() != gi.num_edges:
+        raise ValueError(f"granii: edge_weight must hold one value per edge ({gi.num_edges}), "
+                         f"got {tuple(edge_weight.shape)}")
+
+
+@register("gat_aggregate", "native")
+def gat_fused_native(gi, el, er, feat, slope, edge_weight=None):
+    """``gat_aggregate`` in one native pass per destination row (see the module docstring).
+
+    Float32 and float64; other dtypes run the ``torch`` composition.
+    """
+    _check_shapes(gi, el, er, feat, edge_weight)
+    if feat.dtype not in (torch.float32, torch.float64):
+        return gat_aggregate_torch(gi, el, er, feat, slope, edge_weight)
+    dt = feat.dtype
+    w = None if edge_weight is None else edge_weight.reshape(-1).to(dt).contiguous()
+    return _GatFused.apply(_heads(el, gi.num_src).to(dt), _heads(er, gi.num_dst).to(dt),
+                           feat.contiguous(), w, gi, float(slope))
+
+
+def _weighted(a, edge_weight):
+    """``a`` ``(E, H, 1)`` times ``w_e`` as GATConv applies ``edge_weight`` after the softmax."""
+    return a if edge_weight is None else a * edge_weight.reshape(-1, 1, 1).to(a.dtype)
+
+
+@register("gat_aggregate", "dgl")
+def gat_aggregate_dgl(gi, el, er, feat, slope, edge_weight=None):
+    """``gat_aggregate`` with DGL's ops, as GATConv runs it: ``u_add_v``, ``leaky_relu``,
+    ``edge_softmax``, the edge weight, ``u_mul_e_sum``."""
+    _check_shapes(gi, el, er, feat, edge_weight)
+    g, heads = gi.g, feat.shape[1]
+    e = dgl.ops.u_add_v(g, el.reshape(gi.num_src, heads, 1), er.reshape(gi.num_dst, heads, 1))
+    a = dgl.ops.edge_softmax(g, F.leaky_relu(e, slope))
+    return dgl.ops.u_mul_e_sum(g, feat, _weighted(a, edge_weight))
+
+
+@register("gat_aggregate", "torch")
+def gat_aggregate_torch(gi, el, er, feat, slope, edge_weight=None):
+    """``gat_aggregate`` with granii's torch kernels: index-gather ``sddmm_add``, ``edge_softmax``
+    by scatter reductions, all heads as one interleaved CSR product (``spmm_weighted`` torch_csr)."""
+    _check_shapes(gi, el, er, feat, edge_weight)
+    heads = feat.shape[1]
+    e = _sddmm.sddmm_add_torch(gi, el.reshape(gi.num_src, heads, 1), er.reshape(gi.num_dst, heads, 1))
+    a = _softmax.edge_softmax_torch(gi, F.leaky_relu(e, slope))
+    return _spmm.spmm_weighted_torch_csr(gi, _weighted(a, edge_weight), feat)
+
+
+# ---- SDDMM add and edge softmax ------------------------------------------------------------------
+
+class _SddmmAdd(torch.autograd.Function):
+    """``e[j] = a[src_j] + b[dst_j]`` on ``(n, K)`` operands; ``da``/``db``: sums of ``de`` over
+    each node's out-/in-edges (row sums over ``A^T`` / ``A`` gathered by edge id)."""
+
+    @staticmethod
+    def forward(ctx, a, b, gi):
+        ctx.gi = gi
+        return torch.ops.granii.sddmm_add_coo(*_index(gi)["coo"], a, b)
+
+    @staticmethod
+    def backward(ctx, de):
+        idx = _index(ctx.gi)
+        de = de.contiguous()
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            indptr, _, eids = idx["at"]
+            da = torch.ops.granii.edge_row_sum(indptr, eids, de)
+        if ctx.needs_input_grad[1]:
+            indptr, _, eids = idx["a"]
+            db = torch.ops.granii.edge_row_sum(indptr, eids, de)
+        return da, db, None
+
+
+@register("sddmm_add", "native")
+def sddmm_add_native(gi, a_src, b_dst):
+    """``e_uv = a_src[u] + b_dst[v]`` for each edge ``u -> v`` in edge-id order; trailing shapes
+    broadcast as in ``sddmm_add_dgl``."""
+    tail = torch.broadcast_shapes(a_src.shape[1:], b_dst.shape[1:])
+    dt = torch.promote_types(a_src.dtype, b_dst.dtype)
+    if dt not in (torch.float32, torch.float64):
+        return _sddmm.sddmm_add_torch(gi, a_src, b_dst)
+    a = a_src.to(dt).expand(gi.num_src, *tail).reshape(gi.num_src, -1).contiguous()
+    b = b_dst.to(dt).expand(gi.num_dst, *tail).reshape(gi.num_dst, -1).contiguous()
+    return _SddmmAdd.apply(a, b, gi).reshape(gi.num_edges, *tail)
+
+
+class _EdgeSoftmax(torch.autograd.Function):
+    """Softmax over each destination's in-edges of ``(E, K)`` scores; ``dx = a (g - sum_row a g)``."""
+
+    @staticmethod
+    def forward(ctx, x, gi):
+        indptr, _, eids = _index(gi)["a"]
+        a = torch.ops.granii.edge_softmax_csr(indptr, eids, x)
+        ctx.save_for_backward(a)
+        ctx.gi = gi
+        return a
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        indptr, _, eids = _index(ctx.gi)["a"]
+        return torch.ops.granii.edge_softmax_csr_backward(indptr, eids, a, g.contiguous()), None
+
+
+@register("edge_softmax", "native")
+def edge_softmax_native(gi, e):
+    """``a_e = exp(e_e - m_v) / sum_{e' -> v} exp(e_e' - m_v)`` per destination, ``e`` of shape ``(E, ...)``."""
+    if e.dtype not in (torch.float32, torch.float64):
+        return _softmax.edge_softmax_torch(gi, e)
+    x = e.reshape(gi.num_edges, -1).contiguous()
+    return _EdgeSoftmax.apply(x, gi).reshape(e.shape)

@@ -7,9 +7,10 @@ Every implementation is differentiable in all its tensor inputs, edge values inc
 
 Primitives: ``gemm``, ``row_scale`` (dense); ``spmm``, ``spmm_weighted``, ``spmm_mean``,
 ``spmm_max`` (sparse-dense products); ``sddmm_scale``, ``sddmm_add`` (edge values from node
-values); ``edge_softmax``.
+values); ``edge_softmax``; ``spmm_norm`` (``act(D_dst^a A D_src^b X + bias)``, see ``native.py``).
 """
 from granii.kernels.registry import REGISTRY, get, implementations, register
 from granii.kernels import dense, sddmm, softmax, spmm  # noqa: F401  (registration)
+from granii.kernels import native  # noqa: F401,E402  (registers "native" if the extension is built)
 
 __all__ = ["REGISTRY", "register", "get", "implementations"]

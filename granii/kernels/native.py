@@ -1,0 +1,288 @@
+"""granii's own CPU kernels for the SpMM family (C++ in ``csrc/spmm.cpp``, built by ``setup.py``).
+
+Implementation ``"native"`` of ``spmm``, ``spmm_weighted`` and ``spmm_mean`` (same signatures and
+semantics as the ``dgl`` and ``torch_csr`` ones in ``spmm.py``), and the primitive ``spmm_norm``::
+
+    spmm_norm(gi, d_dst, d_src, x, bias=None, act=None)
+        = act(diag(d_dst) A diag(d_src) X + bias)
+
+with ``d_dst`` ``(num_dst,)`` and ``d_src`` ``(num_src,)`` degree-power vectors (or ``None`` for
+the identity; ``degree_scales(gi, a, b)`` gives ``D_in^a`` and ``D_out^b`` once per graph), ``bias``
+of ``x.shape[1:]`` (or its number of elements) and ``act`` one of ``None``, ``"relu"`` (or
+``torch.relu`` / ``F.relu``). Implementations: ``"native"`` (one pass: the degree factors are read
+per row and per nonzero, bias and activation applied as each row is written; no E-sized value
+array, no extra N x k pass), ``"torch"`` (row scale, ``torch_csr`` product, row scale) and ``"dgl"``
+(GraphConv's sequence: row scale, ``copy_u_sum``, row scale).
+
+Every kernel is a torch operator (``torch.ops.granii.spmm_csr``, ``sddmm_dot_csr``) wrapped in an
+autograd function: the backward multiplies by ``A^T``, whose CSR is built once per graph on first
+use (an inference never builds it), with the two degree vectors swapped; gradients reach ``x``,
+edge values (``dw_e = <dY[v], X[u]>``, a native SDDMM in edge order), ``bias`` and the degree
+vectors. Edge values stay in DGL edge-id order: the kernel reads them through the CSR's edge ids.
+
+If the extension is not built (no compiler at install), importing this module says so once and
+registers nothing: the other implementations are used.
+"""
+import hashlib
+import warnings
+from pathlib import Path
+
+import dgl
+import torch
+import torch.nn.functional as F
+
+from granii.kernels.registry import register
+from granii.kernels import spmm as _spmm
+
+_INT32_MAX = 2**31 - 1
+ROOT = Path(__file__).resolve().parent.parent.parent
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+ACTS = {None: 0, "relu": 1, torch.relu: 1, F.relu: 1, torch.nn.functional.relu: 1}
+
+
+class NativeKernelsUnavailable(UserWarning):
+    """The compiled extension ``granii._native`` could not be loaded."""
+
+
+def sources_sha():
+    """Hash of the sources the extension is built from (``csrc/*`` and ``setup.py``); the same
+    value ``setup.py`` compiles into the library. ``None`` without the sources (a wheel install)."""
+    files = sorted(p for p in CSRC.glob("*") if p.suffix in (".cpp", ".h"))
+    setup = ROOT / "setup.py"
+    if not files or not setup.is_file():
+        return None
+    h = hashlib.sha256()
+    for p in files + [setup]:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _load():
+    """``(module or None, reason)``: import the extension; warn once if it is missing or stale."""
+    try:
+        import granii._native as mod
+    except ImportError as e:
+        reason = (f"granii: native kernels unavailable ({e}); using the DGL/torch implementations. "
+                  f"Build them with: bash scripts/env.sh (needs a C++ compiler)")
+        warnings.warn(reason, NativeKernelsUnavailable, stacklevel=3)
+        return None, reason
+    built, here = getattr(mod, "sources_sha", None), sources_sha()
+    built = built[1:] if built else built        # compiled as h<hex>
+    if here is not None and built is not None and built != here:
+        warnings.warn(f"granii: the native kernels in {Path(mod.__file__).name} were built from "
+                      f"other sources than granii/kernels/csrc/ now holds; rebuild with: "
+                      f"bash scripts/env.sh", NativeKernelsUnavailable, stacklevel=3)
+    return mod, None
+
+
+_MODULE, LOAD_ERROR = _load()
+AVAILABLE = _MODULE is not None and hasattr(torch.ops.granii, "spmm_csr")
+
+
+def available():
+    """True when the native SpMM kernels are loaded."""
+    return AVAILABLE
+
+
+# -- per-graph index structures ---------------------------------------------------------------------
+class CsrIndex:
+    """CSR of ``A`` (``which="a"``: rows are destinations) or ``A^T`` (``"at"``) for the kernels.
+
+    ``indptr``, ``indices``, ``eids`` share one integer type (int32 when the edge count and every
+    index fit); ``eids[j]`` is the DGL edge id of entry ``j``, ``None`` when it is ``j`` itself
+    (edges stored in this order), so edge-order values are read directly.
+    """
+    __slots__ = ("indptr", "indices", "eids", "rows", "cols")
+
+    def __init__(self, indptr, indices, eids, rows, cols):
+        self.indptr, self.indices, self.eids, self.rows, self.cols = indptr, indices, eids, rows, cols
+
+
+def csr_index(gi, which="a"):
+    """The ``CsrIndex`` of ``A`` or ``A^T`` of graph ``gi``, built once per graph on first use."""
+    def make():
+        indptr, indices, eids = gi.csr_in() if which == "a" else gi.csr_out()
+        small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
+        dtype = torch.int32 if small else torch.int64
+        ident = eids.numel() == 0 or bool(torch.equal(
+            eids, torch.arange(eids.numel(), dtype=eids.dtype)))
+        rows, cols = (gi.num_dst, gi.num_src) if which == "a" else (gi.num_src, gi.num_dst)
+        return CsrIndex(indptr.to(dtype).contiguous(), indices.to(dtype).contiguous(),
+                        None if ident else eids.to(dtype).contiguous(), rows, cols)
+    return gi.memo(("native_csr", which), make)
+
+
+def degree_scales(gi, a, b, dtype=torch.float32):
+    """``(D_in^a, D_out^b)``: destination in-degrees and source out-degrees clamped to 1, raised to
+    ``a`` and ``b`` (``None`` for a power of 0), once per graph and dtype. GCN's ``norm="both"`` is
+    ``(-0.5, -0.5)``, ``"right"`` (mean) ``(-1, 0)``, ``"left"`` ``(0, -1)``."""
+    def make():
+        d_dst = None if not a else gi.in_degrees().to(dtype).clamp(min=1).pow(a).contiguous()
+        d_src = None if not b else gi.out_degrees().to(dtype).clamp(min=1).pow(b).contiguous()
+        return d_dst, d_src
+    return gi.memo(("native_degree_scales", a, b, dtype), make)
+
+
+def _mean_scale(gi, dtype):
+    return gi.memo(("native_mean_scale", dtype),
+                   lambda: gi.in_degrees().to(dtype).clamp(min=1).reciprocal().contiguous())
+
+
+# -- the operators ------------------------------------------------------------------------------------
+def _op(idx, x, val=None, rs=None, cs=None, bias=None, act=0):
+    """``act(diag(rs) M_val diag(cs) x + bias)`` with ``M`` the CSR ``idx``; ``x`` ``(n, H, K)``,
+    ``val`` ``(E, H)`` in edge-id order (read through ``idx.eids``)."""
+    return torch.ops.granii.spmm_csr(idx.indptr, idx.indices, x, val,
+                                     idx.eids if val is not None else None, rs, cs, bias, act)
+
+
+def _rows(t, n):
+    return t.reshape(n, 1, 1)
+
+
+class _SpmmFn(torch.autograd.Function):
+    """``Y = act(diag(d_dst) A_w diag(d_src) X + bias)`` and its gradients in all tensor inputs.
+
+    ``x`` ``(num_src, H, K)``; ``w`` ``(E, H)`` or None; ``d_dst``/``d_src`` vectors or None;
+    ``bias`` ``(H * K,)`` or None. Backward (``P`` = gradient before the activation):
+    ``dX = diag(d_src) A_w^T diag(d_dst) P`` (the same kernel on ``A^T``, scales swapped),
+    ``dw_e = d_dst[v] d_src[u] <P[v], X[u]>``, ``dbias = sum_v P[v]``,
+    ``dd_dst[v] = <P[v], (A_w diag(d_src) X)[v]>``, ``dd_src[u] = <X[u], (A_w^T diag(d_dst) P)[u]>``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, d_dst, d_src, bias, gi, act):
+        y = _op(csr_index(gi, "a"), x, w, d_dst, d_src, bias, act)
+        ctx.gi, ctx.act = gi, act
+        need_x = ctx.needs_input_grad[1] or ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+        ctx.save_for_backward(x if need_x else None, w, d_dst, d_src, y if act else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, d_dst, d_src, y = ctx.saved_tensors
+        gi = ctx.gi
+        p = dy.contiguous()
+        if ctx.act:
+            p = torch.ops.aten.threshold_backward(p, y, 0)
+        dx = dw = dd_dst = dd_src = dbias = None
+        need_x, need_w, need_dd, need_ds, need_b = ctx.needs_input_grad[:5]
+        at = csr_index(gi, "at") if (need_x or need_ds) else None
+        if need_ds:
+            g = _op(at, p, w, None, d_dst)        # A_w^T diag(d_dst) P
+            dd_src = (x * g).sum(dim=(1, 2))
+            if need_x:
+                dx = g * _rows(d_src, g.shape[0]) if d_src is not None else g
+        elif need_x:
+            dx = _op(at, p, w, d_src, d_dst)
+        if need_dd:
+            s = _op(csr_index(gi, "a"), x, w, None, d_src)     # A_w diag(d_src) X
+            dd_dst = (p * s).sum(dim=(1, 2))
+        if need_w:
+            pv = p if d_dst is None else p * _rows(d_dst, p.shape[0])
+            xu = x if d_src is None else x * _rows(d_src, x.shape[0])
+            a = csr_index(gi, "a")
+            dw = torch.ops.granii.sddmm_dot_csr(a.indptr, a.indices, a.eids, pv.contiguous(),
+                                                xu.contiguous())
+        if need_b:
+            dbias = p.sum(dim=0).reshape(-1)
+        return dx, dw, dd_dst, dd_src, dbias, None, None
+
+
+def _vec(d, n, dtype, what):
+    if d is None:
+        return None
+    if d.numel() != n:
+        raise ValueError(f"granii: {what} has {d.numel()} entries, expected {n}")
+    return d.reshape(n).to(dtype).contiguous()
+
+
+def _act_code(act):
+    try:
+        return ACTS[act]
+    except (KeyError, TypeError):
+        raise ValueError(f"granii: spmm_norm supports act None or 'relu', got {act!r}") from None
+
+
+def _run(gi, x, w=None, heads=1, d_dst=None, d_src=None, bias=None, act=0):
+    n = x.shape[0]
+    width = 1
+    for s in x.shape[1:]:
+        width *= s
+    x3 = x.reshape(n, heads, width // heads).contiguous()
+    if x3.dtype not in (torch.float32, torch.float64):
+        x3 = x3.float()
+    dt = x3.dtype
+    if w is not None:
+        w = w.reshape(gi.num_edges, heads).to(dt).contiguous()
+    if bias is not None:
+        if bias.numel() != x3.shape[1] * x3.shape[2]:
+            raise ValueError(f"granii: bias has {bias.numel()} entries, expected "
+                             f"{x3.shape[1] * x3.shape[2]} (the width of x)")
+        bias = bias.reshape(-1).to(dt).contiguous()
+    y = _SpmmFn.apply(x3, w, _vec(d_dst, gi.num_dst, dt, "d_dst"),
+                      _vec(d_src, gi.num_src, dt, "d_src"), bias, gi, act)
+    return y.reshape(gi.num_dst, *x.shape[1:])
+
+
+def spmm_native(gi, x):
+    """``Y = A X``: ``Y[v] = sum_{u -> v} X[u]``, shape ``(num_dst, ...)``."""
+    return _run(gi, x)
+
+
+def spmm_weighted_native(gi, w, x):
+    """``Y = A_w X``: ``Y[v] = sum_{e = (u -> v)} w_e X[u]``, shapes as in ``spmm_weighted_dgl``:
+    ``w`` ``(E,)`` with ``x`` ``(n, ...)``, or per head ``w`` ``(E, H)`` / ``(E, H, 1)`` with ``x``
+    ``(n, H, K)``. Gradients to ``x`` (``A_w^T dY``) and to ``w`` (``<dY[v], X[u]>`` per edge)."""
+    e = gi.num_edges
+    heads = w.numel() // e if e else (w.shape[1] if w.dim() > 1 else 1)
+    if heads > 1 and (x.dim() < 2 or x.shape[1] != heads):
+        raise ValueError(f"granii: {heads}-head edge values need x of shape (n, {heads}[, k]), "
+                         f"got {tuple(x.shape)}")
+    return _run(gi, x, w=w, heads=max(heads, 1))
+
+
+def spmm_mean_native(gi, x):
+    """``Y = D_in^{-1} A X`` with ``D_in`` clamped to 1, so zero-in-degree rows are 0."""
+    x2 = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return _run(gi, x2, d_dst=_mean_scale(gi, x2.dtype))
+
+
+def spmm_norm_native(gi, d_dst, d_src, x, bias=None, act=None):
+    """``act(diag(d_dst) A diag(d_src) X + bias)`` in one pass (see the module docstring)."""
+    return _run(gi, x, d_dst=d_dst, d_src=d_src, bias=bias, act=_act_code(act))
+
+
+# -- reference implementations of spmm_norm -----------------------------------------------------------
+def _norm_sequence(spmm, gi, d_dst, d_src, x, bias, act):
+    code = _act_code(act)
+    tail = [1] * (x.dim() - 1)
+    h = x if d_src is None else x * d_src.reshape(gi.num_src, *tail).to(x.dtype)
+    y = spmm(gi, h)
+    if d_dst is not None:
+        y = y * d_dst.reshape(gi.num_dst, *tail).to(y.dtype)
+    if bias is not None:
+        y = y + bias.reshape(x.shape[1:])
+    return torch.relu(y) if code == 1 else y
+
+
+@register("spmm_norm", "torch")
+def spmm_norm_torch(gi, d_dst, d_src, x, bias=None, act=None):
+    """``act(diag(d_dst) A diag(d_src) X + bias)``: row scale, ``torch_csr`` product, row scale."""
+    return _norm_sequence(_spmm.spmm_torch_csr, gi, d_dst, d_src, x, bias, act)
+
+
+@register("spmm_norm", "dgl")
+def spmm_norm_dgl(gi, d_dst, d_src, x, bias=None, act=None):
+    """``act(diag(d_dst) A diag(d_src) X + bias)``: GraphConv's row scale, ``copy_u_sum``, row
+    scale."""
+    return _norm_sequence(lambda g, h: dgl.ops.copy_u_sum(g.g, h), gi, d_dst, d_src, x, bias, act)
+
+
+if AVAILABLE:
+    register("spmm", "native")(spmm_native)
+    register("spmm_weighted", "native")(spmm_weighted_native)
+    register("spmm_mean", "native")(spmm_mean_native)
+    register("spmm_norm", "native")(spmm_norm_native)

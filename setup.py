@@ -1,0 +1,104 @@
+"""Build of granii's native kernels, the extension ``granii._native`` (metadata: pyproject.toml).
+
+Every ``granii/kernels/csrc/*.cpp`` is compiled into the one extension ``granii._native``. Each
+file registers its own operators when the library loads, with a fragment of the ``granii``
+operator library::
+
+    #include "native.h"                 // shared helpers: merge-path partition, checks, dispatch
+    #include <torch/library.h>
+
+    TORCH_LIBRARY_FRAGMENT(granii, m) {  // schemas: torch.ops.granii.<name>
+      m.def("my_op(Tensor x, int flag=0) -> Tensor");
+    }
+    TORCH_LIBRARY_IMPL(granii, CPU, m) {  // the CPU kernel (a CUDA file would add its own IMPL)
+      m.impl("my_op", &my_op);
+    }
+
+So a second kernel file adds ops by being dropped into ``csrc/`` (nothing to list here); the
+Python side calls ``torch.ops.granii.my_op`` after ``granii.kernels.native.load()`` succeeded.
+``module.cpp`` only makes the library importable as a Python module. Operator names must be
+unique across files.
+
+Built by ``pip install --no-deps --no-build-isolation -e .`` (``scripts/env.sh``): setuptools
+builds the extension in place (``granii/_native*.so``). Flags: ``-O3 -march=native`` (built on
+the machine that runs it) and ``-fopenmp`` so ``at::parallel_for`` runs in torch's own OpenMP
+pool (libgomp.so.1 resolves to the copy torch already loaded). ``GRANII_CXXFLAGS`` appends flags
+(experiments); ``GRANII_NO_NATIVE=1`` skips the build. Without torch or a compiler, or if the
+compilation fails, the install still succeeds: the build says why and granii uses its other
+kernels.
+"""
+import glob
+import hashlib
+import os
+import shutil
+import sys
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+CSRC = os.path.join("granii", "kernels", "csrc")
+NAME = "granii._native"
+
+
+def _say(msg):
+    print(f"granii: {msg}", file=sys.stderr, flush=True)
+
+
+def sources_sha():
+    """Hash of csrc/*.cpp, csrc/*.h and this file (as granii.kernels.native.sources_sha)."""
+    files = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "*.h")),
+                   key=os.path.basename)
+    h = hashlib.sha256()
+    for p in files + [os.path.join(os.path.dirname(os.path.abspath(__file__)), "setup.py")]:
+        h.update(os.path.basename(p).encode())
+        with open(p, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _native():
+    """``(ext_modules, cmdclass)`` for the extension, or why it is not built."""
+    if os.environ.get("GRANII_NO_NATIVE", "") not in ("", "0"):
+        return [], {}, "GRANII_NO_NATIVE is set"
+    sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
+    if not sources:
+        return [], {}, f"no sources in {CSRC}"
+    cxx = os.environ.get("CXX", "c++").split()[0]
+    if shutil.which(cxx) is None:
+        return [], {}, f"no C++ compiler ({cxx!r} is not on PATH)"
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError as e:
+        return [], {}, f"torch is not importable in the build environment ({e})"
+
+    class TolerantBuild(BuildExtension):
+        """torch's BuildExtension; a failed compilation is reported, not fatal."""
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as e:  # noqa: BLE001 (a compiler error may be of any type)
+                _say(f"native kernels NOT built ({type(e).__name__}: {e}); granii will use its "
+                     f"DGL/torch kernels")
+
+    flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-unused-parameter"]
+    flags += os.environ.get("GRANII_CXXFLAGS", "").split()
+    flags += [f"-DGRANII_SOURCES_SHA=h{sources_sha()}"]
+    ext = CppExtension(
+        NAME, sources,
+        include_dirs=[os.path.abspath(CSRC)],
+        extra_compile_args={"cxx": flags},
+        extra_link_args=["-fopenmp"],
+        depends=sorted(glob.glob(os.path.join(CSRC, "*.h"))),
+    )
+    return [ext], {"build_ext": TolerantBuild.with_options(use_ninja=True)}, None
+
+
+ext_modules, cmdclass, why_not = _native()
+if why_not is not None and any(a.startswith(("build", "develop", "editable", "install", "bdist"))
+                               for a in sys.argv[1:]):
+    _say(f"native kernels not built: {why_not}; granii will use its DGL/torch kernels")
+if not ext_modules:
+    cmdclass = {"build_ext": build_ext}
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -42,7 +42,7 @@ import dgl
 import torch
 
 from granii import granii as optimize
-from granii.api import LayerState, layer_states, leaf_vals_order, prepare
+from granii.dispatch import layer_states, leaf_vals_order, new_state, prepare
 from granii.plan import compile_plan, step_impls
 from granii.select import EXPECTED_CALLS, price
 
@@ -175,7 +175,7 @@ def plan_key(plan):
 
 def state_for(layer):
     """A dispatcher state for ``layer`` without patching it (to run its plans directly)."""
-    return LayerState(type(layer).__name__, layer, layer.forward, inspect.signature(layer.forward))
+    return new_state(layer)
 
 
 def plan_candidates(layer, g, x, training, cost_model, state=None, chosen=None):

@@ -18,7 +18,7 @@ Inner nodes:
                            level: this is what the enumerator re-associates)
     RowBroadcast(d, x)     ``c_ij = d_i x_ij``; the rewrite pass turns it into ``MatMul(diag(d), x)``
     Add(a, b)              ``a + b`` (with row broadcasting of a 1 x k operand, as for a bias)
-    Apply(fn, x)           a barrier: a non-linear function nothing re-associates across
+    Apply(ref, x)          a barrier: a non-linear function nothing re-associates across
     Aggregate(prim, x)     a barrier that needs the graph: a non-linear aggregation (max, min)
     Store(attr, x)         a barrier: ``x``, also kept on the module (``self.attr = x``)
     Cat(parts)             ``[X_0, X_1, ...]`` side by side (width ``k+k+...``), multiplied by a weight
@@ -152,10 +152,27 @@ class Add(_Inner):
 @cached_hash
 @dataclass(frozen=True)
 class Apply(_Inner):
-    """A barrier: ``fn`` applied element-wise (or row-wise); ``label`` is what a person reads."""
+    """A barrier: a function applied element-wise (or row-wise); ``label`` is what a person reads.
+
+    ``ref`` says where the function is found when the plan runs, so a plan always calls the
+    function of the layer instance it runs for, never one captured from another layer:
+
+        ("module", path)    a submodule of the layer (``activation``, ``apply_func.mlp.0``)
+        ("attr", name)      a callable attribute of the layer that is not a module
+        ("function", f)     a library function (``torch.relu``): the same object for every layer
+        ("dropout", p)      ``F.dropout(x, p, training=True)``
+        ("scale", c)        ``c * x``
+        ("detach",)         ``x.detach()``
+
+    ``pure``: known to read no parameter, buffer or random number, so work on its result may be
+    reused across calls; anything else is a barrier to reuse. ``site`` numbers the call in the
+    source: two calls of one random function are two draws, never merged into one.
+    """
     label: str
     x: object
-    fn: object = field(compare=False, default=None)
+    ref: tuple = ()
+    pure: bool = False
+    site: int = 0
 
     def __str__(self):
         return f"{self.label}({self.x})"

@@ -51,7 +51,7 @@ class Plan:
     steps: list
     leaves: dict                     # variable name -> Leaf (arguments, parameters, degrees)
     out: str
-    applies: dict = field(default_factory=dict)   # variable name -> callable of an Apply barrier
+    applies: dict = field(default_factory=dict)   # variable name -> ``ref`` of an Apply barrier
     heads: tuple = None                           # (H, F) of a multi-head output
 
     def composition(self):
@@ -82,11 +82,14 @@ def leaf_var(leaf):
 
 
 def _when(leaf_set):
+    """When a result computed from ``leaf_set`` runs: once per graph if it reads only the graph,
+    once per input if it reads only the graph and arguments through pure functions, else at
+    every call (parameters, buffers, anything behind an impure function: ``BARRIER``)."""
     sources = {l.source[0] for l in leaf_set}
     if sources <= {"graph", "degree", "select"}:
         return GRAPH
-    if sources & {"param", "param_block", "scalar", "attr"} or any(l.sub == ir.WEIGHT
-                                                                  for l in leaf_set):
+    if sources & {"param", "param_block", "scalar", "attr", "barrier"} or any(
+            l.sub == ir.WEIGHT for l in leaf_set):
         return EVERY
     return INPUT
 
@@ -123,8 +126,10 @@ def lower(index, root, choice, scenarios=(), heads=None):
             return emit(n, "cat", parts, _when(lv), str(n), signature(n), _inputs(lv))
         if isinstance(n, ir.Apply):
             x = value(n.x)
-            var = emit(n, "apply", (x,), EVERY, str(n))
-            plan.applies["f_" + var] = n.fn
+            lv = ir_leaves(n)
+            var = emit(n, "apply", (x,), _when(lv) if n.pure else EVERY, str(n), None,
+                       _inputs(lv))
+            plan.applies[var] = n.ref
             return var
         if isinstance(n, ir.SparseEdges):
             names[n] = value(n.e)
@@ -178,8 +183,26 @@ def lower(index, root, choice, scenarios=(), heads=None):
         names[n] = var
         return var
 
+    # random draws (dropout) happen in the order of the source, as in the original forward
+    for n in sorted(_impure_applies(root, choice), key=lambda a: a.site):
+        value(n)
     plan.out = value(root)
     return plan
+
+
+def _impure_applies(root, choice):
+    found, seen = [], set()
+
+    def visit(n):
+        if n in seen or isinstance(n, ir.Leaf):
+            return
+        seen.add(n)
+        if isinstance(n, ir.Apply) and not n.pure:
+            found.append(n)
+        for c in ir.children(n):
+            visit(c)
+    visit(root)
+    return found
 
 
 def tree_calls(root, choice):
@@ -202,13 +225,20 @@ def _inputs(leaf_set):
     return tuple(sorted({leaf_var(l) for l in leaf_set if l.source[0] in ("arg", "edge")}))
 
 
+# what an impure function (a module call, dropout, anything unknown) adds to the leaves of a
+# result: a value that may differ at every call, so nothing computed from it is reused
+BARRIER = ir.Leaf("barrier", "1", "1", ir.DENSE, ir.WEIGHT, ("barrier",))
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def ir_leaves(n):
-    """The leaves under ``n`` (memoised: the trees of one layer share their subtrees)."""
+    """The leaves under ``n`` (memoised: the trees of one layer share their subtrees), and
+    ``BARRIER`` under an impure ``Apply``."""
     if isinstance(n, ir.Leaf):
         return frozenset((n,))
     parts = n.parts if isinstance(n, Node) else ir.children(n)
-    return frozenset().union(*(ir_leaves(p) for p in parts))
+    out = frozenset().union(*(ir_leaves(p) for p in parts))
+    return out | {BARRIER} if isinstance(n, ir.Apply) and not n.pure else out
 
 
 def _call(step, impl):
@@ -243,14 +273,15 @@ def plan_code(plan, impls, name="plan"):
     for step in plan.steps:
         if step.var in inner:
             continue
-        expr = _expr(step, impl_of[step.var])
+        expr = _expr(step, impl_of[step.var], plan.applies.get(step.var))
         if step.when == GRAPH:
             expr = f"once_per_graph(gi, {step.key!r}, lambda: {expr})"
         elif step.when == INPUT:
             chain = [by_var[v] for v in _chain(step, by_var, inner)]
             if chain:
                 lines.append(f"    def {step.var}_compute():")
-                lines += [f"        {c.var} = {_expr(c, impl_of[c.var])}" for c in chain]
+                lines += [f"        {c.var} = {_expr(c, impl_of[c.var], plan.applies.get(c.var))}"
+                          for c in chain]
                 lines.append(f"        return {expr}")
                 expr = f"{step.var}_compute"
             else:
@@ -264,7 +295,7 @@ def plan_code(plan, impls, name="plan"):
     return "\n".join(lines) + "\n"
 
 
-def _expr(step, impl):
+def _expr(step, impl, ref=None):
     if step.prim == "store":
         attr = step.key.split("self.", 1)[1].split("]", 1)[0]
         return f"store(module, {attr!r}, {step.args[0]})"
@@ -281,8 +312,29 @@ def _expr(step, impl):
     if step.prim == "alias":
         return step.args[0]
     if step.prim == "apply":
-        return f"f_{step.var}({step.args[0]})"
+        return _apply_expr(step, ref)
     return _call(step, impl)
+
+
+def _apply_expr(step, ref):
+    """The call of an ``Apply``'s function, looked up on the running layer (``module``)."""
+    x = step.args[0]
+    kind = ref[0]
+    if kind == "module":
+        path = ref[1]
+        if all(p.isidentifier() for p in path.split(".")):
+            return f"module.{path}({x})"
+        return f"module.get_submodule({path!r})({x})"
+    if kind == "attr":
+        return f"module.{ref[1]}({x})" if ref[1].isidentifier() else \
+            f"getattr(module, {ref[1]!r})({x})"
+    if kind == "dropout":
+        return f"torch.nn.functional.dropout({x}, {ref[1]!r}, True)"
+    if kind == "scale":
+        return f"{x} * {ref[1]!r}"
+    if kind == "detach":
+        return f"{x}.detach()"
+    return f"f_{step.var}({x})"
 
 
 def _inner_input_steps(plan):
@@ -318,7 +370,7 @@ def compile_plan(plan, impls):
     for step, impl in zip(plan.steps, impls):
         if step.prim not in INLINE and f"{step.prim}_{impl}" not in ns:
             ns[f"{step.prim}_{impl}"] = kernels.get(step.prim, impl)
-    ns.update(plan.applies)
+    ns.update({f"f_{var}": ref[1] for var, ref in plan.applies.items() if ref[0] == "function"})
     exec(compile(src, f"<granii plan {plan.index}>", "exec"), ns)
     return ns[f"plan_{plan.index}"], src
 

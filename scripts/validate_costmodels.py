@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from granii.api import LayerState, leaf_vals_order, prepare  # noqa: E402
+from granii.dispatch import leaf_vals_order, new_state, prepare  # noqa: E402
 from granii.costmodel import AnalyticalCost  # noqa: E402
 from granii.datasets import GRAPHS, load_graph  # noqa: E402
 from granii.fingerprint import fingerprint_id, machine_fingerprint  # noqa: E402
@@ -177,7 +177,7 @@ def impl_choice(rows, models):
 
 # -- part 2: GraphConv regret ----------------------------------------------------------------------
 def _state(layer):
-    return LayerState(type(layer).__name__, layer, layer.forward, inspect.signature(layer.forward))
+    return new_state(layer)
 
 
 def _impl_options(step):
@@ -192,7 +192,7 @@ def _canonical(plan, impls):
 
 
 def _lead_args(fn, call):
-    """The arguments a compiled plan takes before the leaf values (as ``granii.api.run_plan``
+    """The arguments a compiled plan takes before the leaf values (as ``granii.dispatch.run_plan``
     passes them): the graph's ``GraphInfo`` and, in newer plans, the module."""
     names = list(inspect.signature(fn).parameters)
     return [call.gi] + ([call.module] if len(names) > 1 and names[1] == "module" else [])

@@ -3,9 +3,8 @@ import itertools
 
 import torch
 
-from granii.api import LayerState, prepare, run_plan
+from granii.dispatch import new_state, prepare, run_plan
 from granii.plan import step_impls
-import inspect
 
 
 def impl_choices(plan):
@@ -17,7 +16,7 @@ def impl_choices(plan):
 
 
 def state_for(layer):
-    return LayerState(type(layer).__name__, layer, layer.forward, inspect.signature(layer.forward))
+    return new_state(layer)
 
 
 def grads(out, inputs, seed=0):

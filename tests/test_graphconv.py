@@ -7,7 +7,7 @@ import torch
 from dgl.nn import GraphConv
 
 from granii import granii
-from granii.api import prepare
+from granii.dispatch import prepare
 from graphs import GRAPHS, block, edge_weights
 from plan_check import check_all_plans, state_for
 
@@ -196,6 +196,6 @@ def test_tree_counts_per_configuration():
         for is_block, table in ((False, expected), (True, expected_block)):
             layer = make_layer(4, 3, norm, True, True, None)
             st = state_for(layer)
-            from granii.api import _compile
+            from granii.dispatch import compile_layer as _compile
             comp = _compile(layer, frozenset(), is_block)
             assert (comp.n_trees, len(comp.plans)) == table[norm], (norm, is_block)

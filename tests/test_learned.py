@@ -246,12 +246,12 @@ def test_selection_ranks_graphconv_plans_with_learned_models(model_dir):
 
     from dgl.nn import GraphConv
 
-    from granii.api import LayerState, prepare
+    from granii.dispatch import new_state, prepare
     from granii.select import rank
     lc = load(model_dir)
     g = gen.build("uniform:n=500,m=4000,seed=7,undirected=0")
     layer = GraphConv(32, 16, norm="both", allow_zero_in_degree=True)
-    state = LayerState("conv", layer, layer.forward, inspect.signature(layer.forward))
+    state = new_state(layer, "conv")
     with torch.no_grad():
         call = prepare(state, layer, (g, torch.randn(g.num_nodes(), 32)), {})
     ranking = rank(call.compiled.plans, call.gi, call.symbols, lc)

@@ -69,6 +69,7 @@ class Interpreter:
         self.config = {}          # module attribute -> summary of the value the code branched on
         self.heads = None         # (H, F) once features are split into attention heads
         self.leaves = {}
+        self.sites = 0            # calls of functions so far (``rules.apply``)
 
     # -- entry -------------------------------------------------------------------------------
     def run(self, bound):

@@ -269,7 +269,13 @@ def row_broadcast(it, x, deg, node):
 
 
 def scale(it, x, c, node):
-    return Tensor(ir.Apply(f"mul({c:g})", x.node, lambda t, c=c: t * c), x.ndim)
+    return Tensor(apply(it, f"mul({c:g})", x.node, ("scale", c), pure=True), x.ndim)
+
+
+def apply(it, label, x, ref, pure=False):
+    """``Apply`` of the function ``ref`` to ``x``, numbered by its place in the source."""
+    it.sites += 1
+    return ir.Apply(label, x, ref, pure, 0 if pure else it.sites)
 
 
 def binop(it, op, a, b, node):
@@ -360,6 +366,8 @@ def call_method(it, m, args, kwargs, node):
             return Tensor(ir.matmul(obj.x.node, head_diag(it, obj)), 2)
         fail(node, f"(features * attention).{name}()", "only .sum(dim=-1) is lowered")
     if isinstance(obj, Tensor):
+        if name == "detach":
+            return Tensor(apply(it, "detach", obj.node, ("detach",), pure=True), obj.ndim)
         if name in _SAME_VALUE_METHODS:
             return obj
         if name == "dim":
@@ -372,6 +380,10 @@ def call_method(it, m, args, kwargs, node):
             return Edges(arg=obj.node.source[1])
         if name == "size":
             return GraphCondition("size")
+    if isinstance(obj, Edges) and name == "detach":
+        if obj.node is None:
+            fail(node, "detach of edge values given as an argument", "not lowered")
+        return Edges(node=apply(it, "detach", obj.node, ("detach",), pure=True))
     if isinstance(obj, Edges) and name in _SAME_VALUE_METHODS:
         return obj
     if isinstance(obj, Edges) and name == "unsqueeze" and args and args[0] == -1:
@@ -424,8 +436,10 @@ def call_function(it, func, args, kwargs, node):
     if name == "edge_softmax" and modname.startswith("dgl") and isinstance(args[1], Edges):
         return Edges(node=ir.EdgeSoftmax(edge_node(it, args[1], node)))
     if isinstance(func, nn.Module) and len(args) == 1 and isinstance(args[0], Edges):
-        label = _module_label(it, func)
-        return Edges(node=ir.Apply(label, edge_node(it, args[0], node), func))
+        if _is_identity_dropout(it, func):
+            return args[0]
+        label, ref = _callable_ref(it, func)
+        return Edges(node=apply(it, label, edge_node(it, args[0], node), ref))
     if func is isinstance and len(args) == 2:
         return isinstance(args[0], Tensor) and issubclass(torch.Tensor, args[1])
     if isinstance(func, nn.Module) and any(isinstance(a, Graph) for a in args):
@@ -448,11 +462,14 @@ def call_function(it, func, args, kwargs, node):
         return expand_as_pair(it, args[0], args[1], node)
     if isinstance(func, nn.Linear) and isinstance(args[0], Tensor):
         return linear(it, func, args[0], node)
-    if isinstance(func, nn.Identity):
+    if isinstance(func, nn.Identity) or _is_identity_dropout(it, func):
         return args[0]
+    if func is torch.nn.functional.dropout and isinstance(args[0], Tensor):
+        return functional_dropout(it, args, kwargs, node)
     if callable(func) and len(args) == 1 and isinstance(args[0], Tensor) and not kwargs:
-        label = _module_label(it, func) if isinstance(func, nn.Module) else name
-        return Tensor(ir.Apply(label, args[0].node, func), args[0].ndim)
+        label, ref = _callable_ref(it, func)
+        pure = ref[0] in ("function", "attr") and _known_pure(func)
+        return Tensor(apply(it, label, args[0].node, ref, pure), args[0].ndim)
     if isinstance(args[0], GraphCondition):
         return GraphCondition(name)
     fail(node, f"call of {modname}.{name}", "with symbolic arguments; not lowered")
@@ -482,11 +499,71 @@ def linear(it, mod, x, node):
     return out
 
 
-def _module_label(it, mod):
+def _module_path(it, mod):
+    """The dotted name of ``mod`` among the layer's submodules, or ``None``."""
     for name, m in it.module.named_modules():
         if m is mod and name:
-            return f"{name}:{type(mod).__name__}"
-    return type(mod).__name__
+            return name
+    return None
+
+
+def _callable_ref(it, func):
+    """``(label, ref)`` of a callable applied to a tensor (see ``ir.Apply``): bound by name to
+    the layer when it is one of its submodules or attributes, so each instance calls its own."""
+    if isinstance(func, nn.Module):
+        path = _module_path(it, func)
+        if path is not None:
+            return f"{path}:{type(func).__name__}", ("module", path)
+        return type(func).__name__, ("function", func)
+    name = getattr(func, "__name__", type(func).__name__)
+    for attr, value in vars(it.module).items():
+        if value is func and not attr.startswith("__"):
+            it.config[attr] = config_summary(value)
+            return f"{attr}:{name}", ("attr", attr)
+    return name, ("function", func)
+
+
+def _is_identity_dropout(it, func):
+    """A dropout submodule that is the identity now (``p == 0`` or eval mode): it lowers to its
+    input, and the plan is only reused while that stays so (its ``p`` and ``training`` are part
+    of the configuration the plan assumes)."""
+    if not isinstance(func, nn.Dropout):
+        return False
+    path = _module_path(it, func)
+    if path is None:
+        return False
+    it.config[path + ".p"] = func.p
+    it.config[path + ".training"] = func.training
+    return func.p == 0 or not func.training
+
+
+def functional_dropout(it, args, kwargs, node):
+    """``F.dropout(x, p, training)``: the identity when not training or ``p == 0``, else one draw."""
+    names = ("input", "p", "training", "inplace")
+    given = dict(zip(names, args), **kwargs)
+    p, training = given.get("p", 0.5), given.get("training", True)
+    if given.get("inplace") or not isinstance(p, (int, float)) or not isinstance(training, bool):
+        fail(node, "F.dropout", "only dropout with a known p and training flag is lowered")
+    x = given["input"]
+    if p == 0 or not training:
+        return x
+    return Tensor(apply(it, f"dropout({p:g})", x.node, ("dropout", float(p))), x.ndim)
+
+
+def _known_pure(func):
+    try:
+        return func in PURE_FUNCTIONS
+    except TypeError:           # unhashable callable
+        return False
+
+
+_F = torch.nn.functional
+# functions of one tensor with no parameters, buffers or randomness
+PURE_FUNCTIONS = frozenset(f for f in (
+    torch.relu, _F.relu, torch.tanh, _F.tanh, torch.sigmoid, _F.sigmoid, _F.elu, _F.leaky_relu,
+    _F.gelu, _F.silu, _F.softplus, _F.relu6, _F.selu, _F.celu, _F.mish, _F.hardtanh,
+    _F.logsigmoid, torch.exp, torch.abs, torch.square, torch.neg, _F.normalize,
+    _F.log_softmax, _F.softmax) if f is not None)
 
 
 def _attr_name(module, sub):

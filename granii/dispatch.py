@@ -1,0 +1,478 @@
+"""The forward of an optimized layer: bind the call, find the decision, run the chosen plan.
+
+``granii()`` sets a ``Dispatcher`` as the ``forward`` of each layer instance. Per call it
+
+ 1. lowers the layer's forward for this call signature (which optional arguments are given, graph
+    or block) through frontend -> rewrite -> enumerate -> prune -> lower, once per signature and
+    configuration (``_variant``);
+ 2. runs the layer's own checks (guards) and checks the operands' sizes (``_bind``);
+ 3. looks up the decision for (graph, sizes, signature, mode): a dictionary lookup after the first
+    call; on a miss, ranks the promoted plans with the cost model and compiles the winner;
+ 4. runs the chosen plan on the layer's own parameters and submodules.
+
+Everything a plan reads at run time (parameters, activations, dropout, ``apply_func``) is looked
+up on the instance that runs it, so copies, pickles and two models in one process each use their
+own. Anything the offline stage cannot handle, for any reason, runs the original forward and the
+reason is kept for ``explain``.
+"""
+import copy
+import inspect
+import math
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from .enumerate import TooManyTrees, layer_forest
+from .frontend import FrontendError, RaisesForConfig, lower_layer
+from .graph import graph_info
+from .plan import COMPUTED, compile_plan, fuse_gemm_add, lower, tree_calls
+from .prune import prune
+from .select import EXPECTED_CALLS, rank
+
+
+@dataclass
+class Compiled:
+    """The offline stage of one layer for one call signature."""
+    layer_ir: object
+    n_trees: int
+    plans: list
+    leaves: dict = field(default_factory=dict)       # variable -> Leaf, over every plan
+
+
+@dataclass
+class Options:
+    """What the user chose in ``granii(...)``; ``cost_model=None`` is this machine's default."""
+    cost_model: object = None
+    expected_calls: int = EXPECTED_CALLS
+    per_batch: bool = False
+    reuse_inputs: bool = True
+
+    def model(self):
+        if self.cost_model is None:
+            from .learned import default_cost_model
+            self.cost_model = default_cost_model()
+        return self.cost_model
+
+
+@dataclass
+class LayerState:
+    """What the dispatcher of one layer knows: compiled variants, decisions, what happened."""
+    name: str
+    module: object
+    signature: inspect.Signature
+    compiled: dict = field(default_factory=dict)     # signature key -> [Compiled or Exception]
+    decisions: object = field(default_factory=weakref.WeakKeyDictionary)   # GraphInfo -> {}
+    last: object = None                              # (symbols, ranking, chosen, code, ...)
+    fallback: str = None
+    calls: int = 0
+    last_input: tuple = None                         # identity of the last features
+    sampled: dict = field(default_factory=dict)      # sampler-configuration key -> decision
+    reused: int = 0                                  # block calls that reused such a decision
+    failed: dict = field(default_factory=dict)       # decision key -> reason a plan raised
+    verified: set = field(default_factory=set)       # decision keys whose plan ran once
+
+
+def new_state(layer, name=None):
+    return LayerState(name or type(layer).__name__, layer,
+                      inspect.signature(type(layer).forward.__get__(layer)))
+
+
+class Dispatcher:
+    """``layer.forward`` of an optimized layer (set on the instance, so ``type(layer).forward``
+    stays the original). Copying or pickling the layer gives a dispatcher of the copy with the
+    same options and no decisions: it decides again on its first call."""
+
+    def __init__(self, layer, name, options):
+        self.layer = layer
+        self.options = options
+        self.state = new_state(layer, name)
+
+    def __call__(self, *args, **kwargs):
+        return dispatch(self.state, self.options, self.layer, args, kwargs)
+
+    def __deepcopy__(self, memo):
+        return Dispatcher(copy.deepcopy(self.layer, memo), self.state.name, self.options)
+
+    def __getstate__(self):
+        options = self.options
+        from .learned import default_cost_model
+        if options.cost_model is not None and options.cost_model is default_cost_model():
+            options = Options(None, options.expected_calls, options.per_batch,
+                              options.reuse_inputs)
+        return {"layer": self.layer, "name": self.state.name, "options": options}
+
+    def __setstate__(self, st):
+        self.layer, self.options = st["layer"], st["options"]
+        self.state = None                    # the layer is not restored yet: see ``dispatch``
+        self._name = st["name"]
+
+    def __repr__(self):
+        return f"<granii dispatcher of {self.state.name if self.state else self._name}>"
+
+
+def original_forward(layer, args, kwargs):
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+# -- one call ----------------------------------------------------------------------------------------
+def dispatch(state, options, layer, args, kwargs):
+    if state is None:            # unpickled: the state is made on the first call
+        disp = layer.__dict__["forward"]
+        state = disp.state = new_state(layer, disp._name)
+    try:
+        call = prepare(state, layer, args, kwargs, options.reuse_inputs)
+    except _UserError:
+        raise
+    except Exception as e:       # noqa: BLE001 - any failure to bind runs the original forward
+        call = f"binding the call failed ({type(e).__name__}: {e})"
+    if isinstance(call, str):
+        state.fallback = call
+        return original_forward(layer, args, kwargs)
+    mode = (call.training, call.input_grad, call.input_repeats)
+    per_graph = state.decisions.get(call.gi)
+    if per_graph is None:
+        per_graph = state.decisions[call.gi] = {}
+    dkey = (call.key, tuple(sorted(call.symbols.items()))) + mode
+    if dkey in state.failed:
+        state.fallback = state.failed[dkey]
+        return original_forward(layer, args, kwargs)
+    decision = per_graph.get(dkey)
+    skey = None
+    if decision is None and call.gi.is_block and not options.per_batch:
+        skey = sampler_key(call) + mode
+        decision = state.sampled.get(skey)
+        if decision is not None:
+            state.reused += 1
+            per_graph[dkey] = decision
+    if decision is None:
+        decision = per_graph[dkey] = decide(state, options, call)
+        if skey is not None:
+            state.sampled[skey] = decision
+    fn, order = decision
+    if dkey in state.verified:
+        out = fn(call.gi, layer, *(call.leaf_vals[v] for v in order))
+        state.calls += 1
+        state.fallback = None
+        return out
+    # the first run of a decision: if the plan raises, the original forward runs instead, with
+    # the random numbers the plan drew given back
+    rng = torch.get_rng_state()
+    try:
+        out = fn(call.gi, layer, *(call.leaf_vals[v] for v in order))
+    except Exception as e:       # noqa: BLE001 - a plan that raises is never used again
+        torch.set_rng_state(rng)
+        reason = f"the chosen plan raised {type(e).__name__}: {e}"
+        state.failed[dkey] = reason
+        warnings.warn(f"granii: layer '{state.name}': {reason}; running the original forward "
+                      "from now on for this input", RuntimeWarning)
+        state.fallback = reason
+        return original_forward(layer, args, kwargs)
+    state.verified.add(dkey)
+    state.calls += 1
+    state.fallback = None
+    return out
+
+
+def decide(state, options, call):
+    """Rank the promoted plans for this call and compile the cheapest: ``(fn, leaf order)``."""
+    model = options.model()
+    calls = 1 if call.gi.is_block else options.expected_calls
+    ranking = rank(call.compiled.plans, call.gi, call.symbols, model, call.training,
+                   call.input_grad, calls, call.input_repeats)
+    best = ranking[0]
+    fn, code = compile_plan(best.plan, best.impls)
+    state.last = (call.symbols, ranking, best, code, call.training, model.name)
+    return fn, leaf_vals_order(best.plan)
+
+
+class _UserError(ValueError):
+    """A call DGL's layer would also refuse (wrong feature width, ...): raised, not hidden."""
+
+
+@dataclass
+class Call:
+    """One call of a layer, bound: what its plans need to run."""
+    compiled: object
+    gi: object
+    leaf_vals: dict
+    symbols: dict
+    key: tuple
+    training: bool
+    input_grad: bool
+    module: object = None
+    input_repeats: bool = False
+
+
+def prepare(state, module, args, kwargs, reuse_inputs=True):
+    """Bind a call of ``module``; a string (the reason) when the original forward must run."""
+    bound = state.signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    values = bound.arguments
+    names = list(values)
+    graph, feat = values[names[0]], values[names[1]]
+    reason = _unsupported_input(graph, feat)
+    if reason:
+        return reason
+    present = frozenset(n for n in names[2:] if isinstance(values[n], torch.Tensor))
+    config = tuple((n, repr(values[n])) for n in names[2:]
+                   if values[n] is not None and n not in present)
+    key = (present, bool(graph.is_block), config)
+    gi = graph_info(graph)
+    compiled = _variant(state, module, key, values, gi)
+    if isinstance(compiled, Exception):
+        return str(compiled)
+    _run_guards(state, compiled.layer_ir, gi, values, module)
+    leaf_vals, symbols = _bind(state, compiled, gi, values, module)
+    grad = torch.is_grad_enabled()
+    training = grad and any(p.requires_grad for p in module.parameters())
+    input_grad = grad and feat.requires_grad
+    ident = input_identity(feat) if reuse_inputs else None
+    repeats = ident is not None and state.last_input == ident
+    state.last_input = ident
+    return Call(compiled, gi, leaf_vals, symbols, (id(compiled),) + key, training, input_grad,
+                module, repeats)
+
+
+def input_identity(t):
+    """What identifies a tensor's value without reading it: the object, its storage, its version.
+    ``None`` for tensors without a version counter (made under ``torch.inference_mode``)."""
+    if t.is_inference():
+        return None
+    return (id(t), t.data_ptr(), t._version)
+
+
+def _variant(state, module, key, values, gi):
+    """The compiled variant of this call signature whose assumptions hold for this call: the
+    module attributes it branched on and the graph-dependent branches it took."""
+    variants = state.compiled.setdefault(key, [])
+    for v in variants:
+        if _holds(v, module, values, gi):
+            return v
+    v = compile_layer(module, key[0], key[1], dict(values, self=module))
+    variants.append(v)
+    return v
+
+
+def attribute(obj, dotted):
+    """``obj.a.b.c`` for ``dotted = "a.b.c"`` (submodules of a ``Sequential`` by index too)."""
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _holds(variant, module, values, gi):
+    from .frontend.rules import config_summary
+    spec, config = ((variant.layer_ir.spec, variant.layer_ir.config)
+                    if isinstance(variant, Compiled) else
+                    (getattr(variant, "spec", []), getattr(variant, "config", {})))
+    for a, v in config.items():
+        try:
+            if config_summary(attribute(module, a)) != v:
+                return False
+        except AttributeError:
+            return False
+    graph_name = next(iter(values))
+    ns = None
+    for text, names, value in spec:
+        ckey = ("condition", text)
+        graph_only = set(names) <= {graph_name}
+        if graph_only and ckey in gi.cache:
+            now = gi.cache[ckey]
+        else:
+            if ns is None:
+                ns = dict(type(module).forward.__globals__, **values, self=module)
+            now = bool(eval(text, ns))
+            if graph_only:
+                gi.cache[ckey] = now
+        if now != value:
+            return False
+    return True
+
+
+def compile_layer(module, present, is_block, real=None):
+    """The offline stage for one call signature: a ``Compiled``, or the exception that stopped
+    it (every exception: whatever goes wrong, the original forward runs)."""
+    try:
+        lir = lower_layer(module, present, is_block, real)
+    except (FrontendError, RaisesForConfig) as e:
+        return e
+    except Exception as e:       # noqa: BLE001
+        return _failure("the frontend", e)
+    try:
+        forest, n_trees = layer_forest(lir.root)
+        kept = prune([tree_calls(root, choice) for root, choice in forest])
+        promoted = [fuse_gemm_add(lower(i, *forest[t], scenarios, heads=lir.heads))
+                    for i, (t, scenarios) in enumerate(sorted(kept.items()))]
+    except TooManyTrees as e:
+        e.spec, e.config = lir.spec, lir.config
+        return e
+    except Exception as e:       # noqa: BLE001
+        err = _failure("enumeration or lowering", e)
+        err.spec, err.config = lir.spec, lir.config
+        return err
+    leaves = {v: l for plan in promoted for v, l in plan.leaves.items()}
+    return Compiled(lir, n_trees, promoted, leaves)
+
+
+def _failure(stage, e):
+    return FrontendError(f"an error in {stage}", f"{type(e).__name__}: {e} (the original "
+                         "forward runs; please report this)")
+
+
+def run_plan(call, plan, impls):
+    """Run ``plan`` with kernel implementations ``impls`` on a prepared call (compiled each time:
+    for tests and benchmarks; the dispatcher caches its compiled choice)."""
+    fn, _ = compile_plan(plan, impls)
+    return fn(call.gi, call.module, *(call.leaf_vals[v] for v in leaf_vals_order(plan)))
+
+
+_GRAPH_SYMBOLS = ("N", "N_src", "N_dst", "E")
+
+
+def sampler_key(call):
+    """What identifies a sampler configuration on a block: the call signature, the sizes that
+    are not graph sizes, and log2 of edges per destination and of sources per destination."""
+    s = call.symbols
+    n_dst = max(s.get("N_dst", s.get("N", 1)), 1)
+    shape = (round(math.log2(max(s["E"], 1) / n_dst)),
+             round(math.log2(max(s.get("N_src", n_dst), 1) / n_dst)))
+    sizes = tuple(sorted((k, v) for k, v in s.items() if k not in _GRAPH_SYMBOLS))
+    return ("sampled", call.key, sizes, shape)
+
+
+def leaf_vals_order(plan):
+    return [v for v, l in plan.leaves.items() if l.source[0] not in COMPUTED]
+
+
+def _unsupported_input(graph, feat):
+    if not hasattr(graph, "is_block") or not hasattr(graph, "num_src_nodes"):
+        return f"a first argument of type {type(graph).__name__}, not a DGL graph"
+    if len(graph.srctypes) > 1 or len(graph.dsttypes) > 1 or len(graph.canonical_etypes) > 1:
+        return "a heterogeneous graph (more than one node or edge type) is not optimized yet"
+    if isinstance(feat, (tuple, list)):
+        return "a pair of (source, destination) features is not optimized yet"
+    if not isinstance(feat, torch.Tensor):
+        return f"features of type {type(feat).__name__}"
+    if feat.dim() != 2:
+        return f"features with {feat.dim()} dimensions (only N x k features are optimized)"
+    if feat.is_cuda or feat.dtype != torch.float32:
+        return f"features of dtype {feat.dtype} on {feat.device} (float32 on CPU is optimized)"
+    return None
+
+
+def _run_guards(state, lir, gi, values, module):
+    """Run the checks kept from the layer's source; those on the graph alone once per graph."""
+    module_globals = type(module).forward.__globals__
+    graph_name = next(iter(values))
+    per_graph = state.decisions.get(gi)
+    if per_graph is None:
+        per_graph = state.decisions[gi] = {}
+    for i, (text, names) in enumerate(lir.guards):
+        reads = {n for n in names if n in values or n not in module_globals}
+        graph_only = reads <= {graph_name, "self"}
+        gkey = ("guard", id(lir), i)
+        if graph_only and per_graph.get(gkey):
+            continue
+        ns = dict(module_globals)
+        ns.update(values)
+        ns["self"] = module
+        # a check that fails raises here; the dispatcher then runs the original forward,
+        # which raises the layer's own error
+        exec(compile(text, f"<check in {state.name}>", "exec"), ns)
+        if graph_only:
+            per_graph[gkey] = True
+
+
+def _bind(state, compiled, gi, values, module):
+    """Leaf values by variable name and the size symbols of this call, checked for consistency."""
+    feat = values[list(values)[1]]
+    symbols = {"E": gi.num_edges}
+    if gi.is_block:
+        symbols.update(N_src=gi.num_src, N_dst=gi.num_dst)
+    else:
+        symbols["N"] = gi.num_src
+    out = {}
+    for var, leaf in compiled.leaves.items():
+        src = leaf.source
+        if src[0] == "headdiag":
+            symbols[leaf.cols] = attribute(module, src[1]).shape[-2]
+        if src[0] in COMPUTED:
+            continue
+        if src[0] in ("arg", "edge"):
+            val = _arg_value(values, src[1])
+            if src[0] == "edge":
+                out[var] = val
+                continue
+        elif src[0] == "arg_dst":
+            val = values[src[1]][: gi.num_dst]
+        elif src[0] == "param_block":
+            _, attr, i, m, transposed = src
+            full = attribute(module, attr)
+            full = full.t() if transposed else full
+            k = full.shape[0] // m
+            val = full[i * k:(i + 1) * k]
+        else:
+            val = attribute(module, src[1])
+            if leaf.transposed:
+                val = val.t()
+        out[var] = val
+        _check_size(state, leaf, val, symbols, feat)
+    return out, symbols
+
+
+def _arg_value(values, name):
+    """A forward() argument, or ``srcdata:h`` / ``dstdata:h`` / ``edata:w`` read from the graph."""
+    if ":" not in name:
+        return values[name]
+    frame, key = name.split(":", 1)
+    graph = next(iter(values.values()))
+    return getattr(graph, frame)[key]
+
+
+def _check_size(state, leaf, val, symbols, feat):
+    dims = (leaf.rows, leaf.cols) if val.dim() == 2 else (leaf.cols,)
+    for sym, n in zip(dims, val.shape[-len(dims):]):
+        if sym == "1":
+            continue
+        if "+" in sym:      # a concatenation's width: its parts are checked on their own leaves
+            continue
+        have = symbols.setdefault(sym, n)
+        if have != n:
+            raise _UserError(_size_message(state, leaf, sym, have, n, feat))
+
+
+def _size_message(state, leaf, sym, have, n, feat):
+    layer = f"granii: layer '{state.name}' ({type(state.module).__name__})"
+    if sym == "k_in":
+        return (f"{layer} expects input features of width {n} (its '{leaf.name}' is "
+                f"{tuple(leaf_shape(leaf, state))}), but the features given are "
+                f"{tuple(feat.shape)}: pass features with {n} columns or build the layer with "
+                f"in_feats={feat.shape[-1]}")
+    if sym in ("N", "N_src"):
+        return (f"{layer}: the features have {n} rows but the graph has {have} source nodes: "
+                "pass one row of features per node")
+    return f"{layer}: size '{sym}' is {have} in one operand and {n} in '{leaf.name}'"
+
+
+def leaf_shape(leaf, state):
+    return state.module.get_parameter(leaf.source[1]).shape if leaf.source[0] == "param" else ()
+
+
+def dispatcher_of(module):
+    """The ``Dispatcher`` set on ``module`` by ``granii``, or ``None``."""
+    d = module.__dict__.get("forward")
+    return d if isinstance(d, Dispatcher) else None
+
+
+def layer_states(model):
+    """The dispatcher states of the optimized layers of ``model``."""
+    out = []
+    for _, m in model.named_modules():
+        d = dispatcher_of(m)
+        if d is not None:
+            if d.state is None:
+                d.state = new_state(m, d._name)
+            out.append(d.state)
+    return out

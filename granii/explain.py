@@ -1,0 +1,83 @@
+"""``explain(model)``: for each optimized layer, what granii saw, what it considered and why it chose.
+
+Per layer and call signature: the IR as parsed and after the rewrite, its leaves, how many
+association trees were enumerated, pruned and promoted (each promoted plan with its composition and
+trees), then for the last decision the predicted cost of every candidate, the chosen plan step by
+step (primitive, kernel implementation, when it runs, predicted time) and its generated code. A
+layer that runs its original forward says why.
+"""
+import io
+import sys
+
+from . import ir
+from .dispatch import Compiled, layer_states
+
+
+def explain(model, file=None):
+    """Print (and return) for each layer: IR, promoted trees with cost, the choice, its code."""
+    out = io.StringIO()
+    states = layer_states(model)
+    if not states:
+        print("granii: this model is not optimized (call granii(model, graph, feats) first)",
+              file=out)
+    for st in states:
+        _explain_layer(st, out)
+    text = out.getvalue()
+    print(text, file=file or sys.stdout, end="")
+    return text
+
+
+def _fmt_ms(s):
+    return f"{s * 1e3:9.3f} ms"
+
+
+def _explain_layer(st, out):
+    p = lambda *a: print(*a, file=out)
+    p(f"== layer '{st.name}' ({type(st.module).__name__}) " + "=" * 40)
+    for (present, is_block, _), comp in ((k, c) for k, cs in st.compiled.items() for c in cs):
+        sig = ", ".join(sorted(present)) or "no optional arguments"
+        p(f"call signature: {sig}{' (block)' if is_block else ''}")
+        spec = comp.layer_ir.spec if isinstance(comp, Compiled) else getattr(comp, "spec", [])
+        for text, _, value in spec:
+            p(f"  specialised on: ({text}) is {value}")
+        if isinstance(comp, Exception):
+            p(f"  NOT OPTIMIZED, the original forward runs: {comp}")
+            continue
+        p("  IR as parsed:     " + str(comp.layer_ir.raw))
+        p("  after rewrite:    " + str(comp.layer_ir.root))
+        p("  leaves:")
+        for leaf in {l.name: l for l in ir.leaves(comp.layer_ir.root)}.values():
+            p(f"    {leaf.name:<12} [{leaf.rows} x {leaf.cols}] {leaf.kind}/{leaf.sub}")
+        n_prom = len(comp.plans)
+        p(f"  association trees: {comp.n_trees} enumerated, {comp.n_trees - n_prom} pruned "
+          f"offline, {n_prom} promoted")
+        for plan in comp.plans:
+            p(f"    [{plan.index}] scenarios {'/'.join(plan.scenarios):<6} {plan.composition()}")
+            p(f"        {plan.trees()}")
+        if comp.layer_ir.guards:
+            p(f"  checks kept from the source: {len(comp.layer_ir.guards)}")
+    if st.fallback:
+        p(f"  last call ran the original forward: {st.fallback}")
+    if st.sampled:
+        p(f"  sampled blocks: {len(st.sampled)} sampler configuration(s) decided on their first "
+          f"block; {st.reused} later block call(s) reused that decision")
+    if st.last is None:
+        if not st.fallback:
+            p("  no decision yet (the layer has not run on an input)")
+        p("")
+        return
+    symbols, ranking, best, code, training, model_name = st.last
+    sizes = " ".join(f"{k}={v}" for k, v in symbols.items())
+    p(f"  last input: {sizes}  mode: {'training' if training else 'inference'}  "
+      f"cost model: {model_name}")
+    p(f"  {'plan':<6}{'predicted':>13}  composition")
+    for c in ranking:
+        mark = "  <- chosen" if c is best else ""
+        p(f"  [{c.plan.index}]  {_fmt_ms(c.cost)}  {c.plan.composition()}{mark}")
+    p("  chosen plan, step by step:")
+    for step, impl, t in best.step_costs:
+        p(f"    {step.var:<4} {step.prim:<14} {impl:<10} {step.when:<15} {_fmt_ms(t)}  {step.key}")
+    p("  generated code:")
+    for line in code.splitlines():
+        p("    " + line)
+    p("")

@@ -66,7 +66,8 @@ def assert_same_buffers(model, ref, what):
 
 def train_side_by_side(run, model, ref, w=None, calls=CALLS, seed=0, what=""):
     """``calls`` training steps of model and ref under the same seeds: outputs, gradients of every
-    parameter (and of the edge weights ``w``), buffers; an SGD step after each call."""
+    parameter (and of the edge weights ``w``), buffers; an SGD step after each call, after which
+    model gets the reference's values."""
     model.train()
     ref.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -91,6 +92,17 @@ def train_side_by_side(run, model, ref, w=None, calls=CALLS, seed=0, what=""):
         opt.step()
         opt_ref.step()
         assert_same_buffers(model, ref, step)
+        sync(model, ref)
+
+
+def sync(model, ref):
+    """Give model the reference's parameters and buffers, in place (as an optimizer step does),
+    so that float rounding does not grow from call to call."""
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.copy_(q)
+        for b, c in zip(model.buffers(), ref.buffers()):
+            b.copy_(c)
 
 
 def eval_side_by_side(run, model, ref, w=None, what=""):
@@ -142,3 +154,311 @@ def test_training_matches_dgl(case, graph_kind):
 def test_eval_matches_dgl(case, graph_kind):
     run, model, ref, g, x, w = setup(case, graph_kind)
     eval_side_by_side(run, model, ref, w, what=f"{case.name} on {graph_kind}:")
+
+
+# -- two models, copies, pickles ----------------------------------------------------------------------
+def test_two_models_of_one_class_each_use_their_own_dropout():
+    g = undirected()
+    x = features(g, 12)
+    run = lambda m, w: m(g, x)
+    pairs = []
+    for p in (0.1, 0.7):
+        torch.manual_seed(0)
+        model = models.GAT(12, models.HIDDEN, models.CLASSES, feat_drop=p, attn_drop=p)
+        ref = copy.deepcopy(model)
+        granii(model, g, x)
+        pairs.append((model, ref))
+    for seed in range(2):      # interleaved: the second model built after the first ran
+        for i, (model, ref) in enumerate(pairs):
+            train_side_by_side(run, model, ref, seed=10 * seed, what=f"GAT number {i + 1}:")
+    for p, (model, ref) in zip((0.3, 0.9), pairs):
+        torch.manual_seed(0)
+        other = models.GraphSAGE(12, models.HIDDEN, models.CLASSES, feat_drop=p)
+        other_ref = copy.deepcopy(other)
+        granii(other, g, x)
+        train_side_by_side(run, other, other_ref, what=f"GraphSAGE feat_drop={p}:")
+
+
+def scale_parameters(model, factor):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(factor)
+
+
+def set_dropout(model, p):
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = p
+
+
+@pytest.mark.parametrize("name", ["gcn", "gat", "mixhop", "jknet_cat", "dagnn", "gin", "tagcn"])
+def test_deepcopy_of_an_optimized_model_uses_its_own_parameters_and_dropout(name):
+    case = CASES_BY_NAME[name]
+    run, model, ref, g, x, w = setup(case, "undirected")
+    train_side_by_side(run, model, ref, w, calls=1, what=f"{name} before the copy:")
+    dup, dup_ref = copy.deepcopy(model), copy.deepcopy(ref)
+    scale_parameters(dup, 1.5)
+    scale_parameters(dup_ref, 1.5)
+    set_dropout(dup, 0.2)
+    set_dropout(dup_ref, 0.2)
+    train_side_by_side(run, dup, dup_ref, w, calls=2, what=f"{name} copy, changed:")
+    train_side_by_side(run, model, ref, w, calls=2, what=f"{name} original after the copy:")
+    scale_parameters(model, 0.5)
+    scale_parameters(ref, 0.5)
+    train_side_by_side(run, dup, dup_ref, w, calls=2, what=f"{name} copy after the original changed:")
+    eval_side_by_side(run, dup, dup_ref, w, what=f"{name} copy:")
+    eval_side_by_side(run, model, ref, w, what=f"{name} original:")
+
+
+@pytest.mark.parametrize("name", ["gcn", "gat", "graphsage", "gin", "mixhop", "dagnn", "appnp"])
+def test_torch_save_and_load_of_an_optimized_model(name):
+    case = CASES_BY_NAME[name]
+    run, model, ref, g, x, w = setup(case, "undirected")
+    train_side_by_side(run, model, ref, w, calls=1, what=f"{name} before saving:")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    loaded_ref = copy.deepcopy(ref)
+    train_side_by_side(run, loaded, loaded_ref, w, what=f"{name} loaded:")
+    eval_side_by_side(run, loaded, loaded_ref, w, what=f"{name} loaded:")
+    scale_parameters(loaded, 2.0)
+    eval_side_by_side(run, model, ref, w, what=f"{name} original after changing the loaded one:")
+
+
+# -- modes and calls ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gcn", "gat", "graphsage", "sgc", "user_layers", "tagcn", "gin"])
+def test_inference_mode(name):
+    case = CASES_BY_NAME[name]
+    run, model, ref, g, x, w = setup(case, "undirected")
+    model.eval()
+    ref.eval()
+    with torch.inference_mode():
+        for _ in range(2):
+            assert_close(run(model, w), run(ref, w), f"{name} under inference_mode")
+        x_inf = x * 1.0               # an inference tensor
+        assert_close(case.run(model, g, x_inf, w), case.run(ref, g, x_inf, w),
+                     f"{name} under inference_mode, features made there")
+    eval_side_by_side(run, model, ref, w, what=f"{name} after inference_mode:")
+
+
+def wrapped_layer_names(model):
+    return sorted(n for n, m in model.named_modules() if "forward" in m.__dict__)
+
+
+@pytest.mark.parametrize("name", ["gcn", "gat", "tagcn", "mixhop"])
+def test_granii_twice(name):
+    case = CASES_BY_NAME[name]
+    run, model, ref, g, x, w = setup(case, "undirected")
+    first = wrapped_layer_names(model)
+    assert first and "" not in first
+    granii(model, g, x)
+    assert wrapped_layer_names(model) == first, "the second granii() wrapped other modules"
+    train_side_by_side(run, model, ref, w, what=f"{name} wrapped twice:")
+    eval_side_by_side(run, model, ref, w, what=f"{name} wrapped twice:")
+
+
+@pytest.mark.parametrize("name", ["gcn", "gat", "gin", "tagcn"])
+def test_restore_gives_back_dgl_layers(name):
+    case = CASES_BY_NAME[name]
+    run, model, ref, g, x, w = setup(case, "undirected")
+    train_side_by_side(run, model, ref, w, calls=1, what=f"{name} optimized:")
+    granii.restore(model)
+    assert wrapped_layer_names(model) == []
+    for m in model.modules():
+        assert not any(k.startswith("_granii") for k in m.__dict__), type(m).__name__
+    train_side_by_side(run, model, ref, w, what=f"{name} restored:")
+    granii(model, g, x)
+    assert wrapped_layer_names(model)
+    train_side_by_side(run, model, ref, w, what=f"{name} optimized again:")
+
+
+def model_state(model):
+    """Everything granii() must leave as found."""
+    return {
+        "tensors": {k: v.clone() for k, v in model.state_dict(keep_vars=True).items()},
+        "grads": {n: None if p.grad is None else p.grad.clone()
+                  for n, p in model.named_parameters()},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "training": {n: m.training for n, m in model.named_modules()},
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_same_state(after, before, what):
+    assert after["training"] == before["training"], f"{what}: training flags changed"
+    assert after["requires_grad"] == before["requires_grad"], f"{what}: requires_grad changed"
+    assert torch.equal(after["rng"], before["rng"]), f"{what}: the random number generator moved"
+    assert after["tensors"].keys() == before["tensors"].keys(), f"{what}: state_dict keys changed"
+    for k, v in before["tensors"].items():
+        assert torch.equal(after["tensors"][k], v), f"{what}: '{k}' changed"
+    for k, v in before["grads"].items():
+        a = after["grads"][k]
+        assert (a is None) == (v is None) and (v is None or torch.equal(a, v)), \
+            f"{what}: the gradient of '{k}' changed"
+
+
+@pytest.mark.parametrize("name", ["gin", "mixhop", "gat", "graphsage", "sgc_cached", "tagcn"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_granii_leaves_the_model_as_found(name, mode):
+    case = CASES_BY_NAME[name]
+    g = undirected()
+    x = features(g, case.in_feats)
+    torch.manual_seed(0)
+    model = case.build(g, case.in_feats, False)
+    model.train(mode == "train")
+    ref = copy.deepcopy(model)
+    before = model_state(model)
+    granii(model, g, x)
+    assert_same_state(model_state(model), before, f"granii() on {name} in {mode} mode")
+    if name == "sgc_cached":
+        assert getattr(model.conv, "_cached_h", None) is None, "granii() filled SGConv's cache"
+    run = lambda m, w: case.run(m, g, x, w)
+    train_side_by_side(run, model, ref, what=f"{name} after granii() in {mode} mode:")
+
+
+# -- graphs and features changed in place -----------------------------------------------------------
+def rewire(g, n_edges=25, seed=5):
+    """Replace ``n_edges`` edges by as many other ones: same node and edge counts."""
+    gen = torch.Generator().manual_seed(seed)
+    eids = torch.randperm(g.num_edges(), generator=gen)[:n_edges]
+    g.remove_edges(eids)
+    u = torch.randint(0, g.num_nodes(), (n_edges,), generator=gen)
+    v = torch.randint(0, g.num_nodes(), (n_edges,), generator=gen)
+    g.add_edges(u, v)
+
+
+@pytest.mark.parametrize("name", ["gcn", "sgc", "gat", "graphsage", "message_passing_gcn",
+                                  "gin", "tagcn", "mixhop"])
+def test_graph_edited_in_place_with_the_same_counts(name):
+    case = CASES_BY_NAME[name]
+    g = undirected()
+    x = features(g, case.in_feats)
+    torch.manual_seed(0)
+    model = case.build(g, case.in_feats, True)
+    ref = copy.deepcopy(model)
+    granii(model, g, x)
+    run = lambda m, w: case.run(m, g, x, w)
+    eval_side_by_side(run, model, ref, what=f"{name} before the edit:")
+    counts = (g.num_nodes(), g.num_edges())
+    rewire(g)
+    assert (g.num_nodes(), g.num_edges()) == counts
+    eval_side_by_side(run, model, ref, what=f"{name} after the edit:")
+    train_side_by_side(run, model, ref, what=f"{name} after the edit:")
+
+
+FEATURE_MODELS = ["gcn", "sgc", "tagcn", "user_layers", "appnp"]
+
+
+@pytest.mark.parametrize("name", FEATURE_MODELS)
+def test_features_changed_in_place_are_seen(name):
+    """Writes autograd sees (in-place ops on the tensor) are always noticed."""
+    case = CASES_BY_NAME[name]
+    run, model, ref, g, x, w = setup(case, "undirected")
+    for change in (lambda: x.mul_(2), lambda: x[:5].fill_(0.5), lambda: x.add_(1)):
+        eval_side_by_side(run, model, ref, what=f"{name} before the change:")
+        change()
+        eval_side_by_side(run, model, ref, what=f"{name} after an in-place change:")
+        train_side_by_side(run, model, ref, calls=2, what=f"{name} after an in-place change:")
+
+
+@pytest.mark.parametrize("name", FEATURE_MODELS)
+def test_features_changed_behind_autograd_with_reuse_off(name):
+    """Writes autograd does not see (``x.data``, the array of ``x.numpy()``) are noticed when
+    feature reuse is off."""
+    case = CASES_BY_NAME[name]
+    g = undirected()
+    arr = features(g, case.in_feats).numpy().copy()
+    x = torch.from_numpy(arr)
+    torch.manual_seed(0)
+    model = case.build(g, case.in_feats, False)
+    ref = copy.deepcopy(model)
+    granii(model, g, x, reuse_inputs=False)
+    run = lambda m, w: case.run(m, g, x, w)
+    for change in (lambda: x.data.mul_(2), lambda: np.multiply(arr, -1.5, out=arr),
+                   lambda: x.numpy().__setitem__(slice(0, 5), 0.25)):
+        eval_side_by_side(run, model, ref, what=f"{name} before the change:")
+        change()
+        eval_side_by_side(run, model, ref, what=f"{name} after a change behind autograd:")
+        train_side_by_side(run, model, ref, calls=2, what=f"{name} after a change behind "
+                                                          "autograd:")
+
+
+# -- gradients as DGL gives them ----------------------------------------------------------------------
+def test_detach_stops_the_gradient_as_in_dgl():
+    g = directed()
+    x = features(g, 8).requires_grad_()
+    torch.manual_seed(0)
+    layer = models.DetachConv(8, 4)
+    ref = copy.deepcopy(layer)
+    granii(layer, g, x)
+    outs = []
+    for m in (ref, layer):
+        out = m(g, x)
+        (out * projection(out)).sum().backward()
+        outs.append(out)
+    assert ref.neigh.weight.grad is None
+    assert layer.neigh.weight.grad is None and layer.neigh.bias.grad is None, \
+        "a weight behind .detach() received a gradient"
+    assert_close(outs[1], outs[0], "output")
+    assert_same_grads(layer, ref, "detach")
+
+
+def test_zero_in_degree_is_refused_as_dgl_refuses_it():
+    g = directed()
+    x = features(g, 12)
+    torch.manual_seed(0)
+    model = models.GCN(12, models.HIDDEN, models.CLASSES)
+    ref = copy.deepcopy(model)
+    granii(model, g, x)
+    bad = zero_in_degree()
+    xb = features(bad, 12)
+    with pytest.raises(dgl.DGLError):
+        ref(bad, xb)
+    with pytest.raises(dgl.DGLError):
+        model(bad, xb)
+
+
+def test_sampled_graphsage_training_matches_dgl():
+    g = undirected(120, 500)
+    x = features(g, 12)
+    torch.manual_seed(0)
+    model = models.SampledSAGE(12, models.HIDDEN, models.CLASSES)
+    ref = copy.deepcopy(model)
+    sampler = dgl.dataloading.NeighborSampler([4, 4])
+    loader = dgl.dataloading.DataLoader(g, torch.arange(60), sampler, batch_size=20,
+                                        shuffle=False)
+    batches = [(x[inp], blocks) for inp, _, blocks in loader]
+    granii(model, batches[0][1], batches[0][0])
+    for i, (h, blocks) in enumerate(batches):
+        run = lambda m, w: m(blocks, h)
+        train_side_by_side(run, model, ref, seed=i, what=f"sampled batch {i}:")
+        eval_side_by_side(run, model, ref, what=f"sampled batch {i}:")
+
+
+# -- falling back is not the way to pass --------------------------------------------------------------
+def test_most_layers_of_the_optimized_kinds_run_an_optimized_plan():
+    from granii.api import layer_states
+    counted, optimized, why = 0, 0, []
+    for case in CASES:
+        run, model, ref, g, x, w = setup(case, "undirected")
+        states = {id(s.module): s for s in layer_states(model)}
+        layers = {id(m): (n, m) for n, m in model.named_modules() if of_optimized_kind(m)}
+        ran = {k: True for k in layers}
+        for training in (True, False):
+            model.train(training)
+            before = {k: states[k].calls if k in states else 0 for k in layers}
+            with torch.set_grad_enabled(training):
+                run(model, w)
+            for k, (n, m) in layers.items():
+                st = states.get(k)
+                if st is None or st.fallback is not None or st.calls == before[k]:
+                    ran[k] = False
+                    reason = "not wrapped" if st is None else st.fallback or "did not run"
+                    why.append(f"{case.name}: {n} ({type(m).__name__}, "
+                               f"{'training' if training else 'eval'}): {reason}")
+        counted += len(layers)
+        optimized += sum(ran.values())
+    share = optimized / counted
+    assert share >= 0.9, (f"{optimized} of {counted} layers ({share:.0%}) ran an optimized plan; "
+                          "the others:\n" + "\n".join(why))

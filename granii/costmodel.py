@@ -5,6 +5,8 @@ where ``dims`` holds the call's concrete sizes:
 
     gemm         {"m", "k", "n"}     (m x k) . (k x n)
     spmm*        {"n", "k"}          n destination rows, k columns; E comes from the graph
+                                  (spmm_norm too: the fused D_dst A D_src X)
+    gat_aggregate {"heads", "k"}     k = heads x F columns of the aggregated features
     row_scale    {"n", "k"}       also add (X + Y), cat (columns side by side) and row_slice
                                   (a view of the first n rows)
     sddmm_scale  {}                  E from the graph
@@ -52,6 +54,10 @@ class AnalyticalCost:
         elif prim.startswith("spmm"):
             n, k = dims["n"], dims["k"]
             t = FLOAT * E * k / self.gather_rate + FLOAT * n * k / self.stream_rate + 8 * E / self.stream_rate
+        elif prim == "gat_aggregate":
+            n, k, h = gi.num_dst, dims["k"], dims.get("heads", 1)
+            t = (FLOAT * E * (k + 2 * h) / self.gather_rate + FLOAT * n * k / self.stream_rate
+                 + 8 * E / self.stream_rate)
         elif prim in ("row_scale", "add", "cat"):
             t = (3 if prim == "add" else 2) * FLOAT * dims["n"] * dims["k"] / self.stream_rate
         elif prim == "row_slice":
@@ -66,7 +72,7 @@ class AnalyticalCost:
 def concrete_dims(sig, symbols):
     """The ``dims`` dict of a step's signature, its size symbols replaced by their values."""
     prim, _, sizes = sig
-    vals = [size_value(s, symbols) for s in sizes]
+    vals = [s if isinstance(s, (int, float)) else size_value(s, symbols) for s in sizes]
     if prim == "gemm":
         return {"m": vals[0], "k": vals[1], "n": vals[2]}
     if prim.startswith("spmm"):
@@ -75,4 +81,6 @@ def concrete_dims(sig, symbols):
         return {"n": vals[0], "k": vals[1]}
     if prim == "diag_mul":
         return {"n": vals[0]}
+    if prim == "gat_aggregate":
+        return {"heads": vals[1], "k": vals[2]} if len(vals) >= 3 else {"k": vals[-1]}
     return {}     # sddmm_scale, sddmm_add, edge_softmax: sizes of the graph

@@ -1,7 +1,7 @@
-"""Learned per-(primitive, implementation) cost models (XGBoost), trained on this machine.
+"""Learned per-(primitive, implementation) cost models (XGBoost), trained per machine.
 
-One gradient-boosted tree ensemble per (primitive, implementation) predicts the natural log of the
-seconds of one forward call:
+One gradient-boosted tree ensemble per (primitive, implementation, phase) predicts the natural log
+of the seconds of one call:
 
     log t = log b(prim, sizes, graph) + f(features)
 
@@ -11,15 +11,23 @@ achieved efficiency as a function of the graph's structure and the sizes. Trees 
 outside the range they were trained on; with the baseline as margin a graph or size larger than
 any profiled one still scales with its work instead of saturating.
 
+Phases: ``"forward"``, one call without autograd, and ``"train"``, the forward with autograd and
+the backward computing the gradients of the operands ``TRAIN_GRADS`` names (its baseline counts
+one forward more per gradient). ``granii.select`` prices a training step from both.
+
 Features (``model_features``): for the sparse primitives ``featurize(gi, sizes)`` with the sizes of
-``MODEL_SIZES`` (``k`` for the SpMMs, ``heads`` for edge scores and softmax, none for
-``sddmm_scale``); the dense primitives do not depend on the graph and see only their sizes
-(``dense_features``: each size, pairwise and full products, their log2).
+``MODEL_SIZES`` (``k`` for the SpMMs and the fused normalised SpMM, ``heads`` for edge scores and
+softmax, ``heads`` and ``k = heads x F`` for the fused GAT aggregation, none for ``sddmm_scale``);
+the dense primitives do not depend on the graph and see only their sizes (``dense_features``: each
+size, pairwise and full products, their log2).
 
 Models live in ``costmodels/<fingerprint id>/`` (``granii.fingerprint``) as one XGBoost JSON file
-per model and a ``manifest.json``; ``load`` refuses a folder made for another machine, feature set
-or damaged file, with the command that fixes it. ``default_cost_model`` returns this machine's
-models, or the analytical model (with one warning) when there are none.
+per model and a ``manifest.json`` (with the machine's calibration, ``granii.calibration``);
+``load`` refuses a folder made for another machine, feature set or damaged file, with the command
+that fixes it. ``default_cost_model`` returns this machine's models; without them, the models of
+another machine rescaled by a short calibration of this one (``granii.calibration.Transfer``); a
+pair no model covers is priced by the analytical roofline with calibrated rates. Each of these
+substitutions is announced once.
 """
 import itertools
 import json
@@ -52,6 +60,19 @@ MODEL_SIZES = {
     "sddmm_scale": ("graph", ()),
     "sddmm_add": ("graph", ("heads",)),
     "edge_softmax": ("graph", ("heads",)),
+    "spmm_norm": ("graph", ("k",)),
+    "gat_aggregate": ("graph", ("heads", "k")),
+}
+# The phases a model can be trained for: "forward" (one call, no autograd) and "train" (the
+# forward with autograd and the backward of the gradients ``TRAIN_GRADS`` names).
+PHASES = ("forward", "train")
+# primitive -> positions (among the arguments after ``gi``) of the operands whose gradient the
+# profiled training call computes: features, weights, edge values and attention terms; never
+# degree vectors (they depend on the graph alone).
+TRAIN_GRADS = {
+    "gemm": (0, 1), "row_scale": (1,), "spmm": (0,), "spmm_mean": (0,), "spmm_max": (0,),
+    "spmm_weighted": (0, 1), "sddmm_scale": (), "sddmm_add": (0, 1), "edge_softmax": (0,),
+    "spmm_norm": (2,), "gat_aggregate": (0, 1, 2),
 }
 SIZE_DEFAULTS = {"heads": 1}
 
@@ -125,6 +146,9 @@ def baseline_seconds(prim, dims, num_src=0, num_dst=0, num_edges=0):
     elif prim.startswith("spmm"):
         k = s["k"]
         t = f * e * k / _GATHER + f * num_dst * k / _STREAM + 8 * e / _STREAM
+    elif prim == "gat_aggregate":
+        h, k = s["heads"], s["k"]
+        t = f * e * (k + 2 * h) / _GATHER + f * num_dst * k / _STREAM + 8 * e / _STREAM
     elif prim == "sddmm_scale":
         t = 3 * f * e / _GATHER + f * (num_src + num_dst) / _STREAM
     elif prim == "sddmm_add":
@@ -138,18 +162,32 @@ def baseline_seconds(prim, dims, num_src=0, num_dst=0, num_edges=0):
     return t + _CALL
 
 
-def model_inputs(prim, gi, dims):
+def model_inputs(prim, gi, dims, phase="forward"):
     """``(feature row, base margin = log baseline seconds)`` of one call on graph ``gi``
-    (``None`` for the dense primitives)."""
+    (``None`` for the dense primitives). A training call's baseline counts one forward per
+    gradient it computes beside its own forward."""
     if MODEL_SIZES[prim][0] == "dense":
         b = baseline_seconds(prim, dims)
     else:
         b = baseline_seconds(prim, dims, gi.num_src, gi.num_dst, gi.num_edges)
+    if phase == "train":
+        b *= 1 + len(TRAIN_GRADS.get(prim, ()))
     return model_features(prim, gi, dims), math.log(b)
 
 
-def model_file(prim, impl):
-    return f"{prim}__{impl}.json"
+def model_file(prim, impl, phase="forward"):
+    return f"{prim}__{impl}.json" if phase == "forward" else f"{prim}__{impl}__{phase}.json"
+
+
+def model_key(prim, impl, phase="forward"):
+    """The manifest key of a model: ``prim/impl`` (forward) or ``prim/impl/train``."""
+    return f"{prim}/{impl}" if phase == "forward" else f"{prim}/{impl}/{phase}"
+
+
+def parse_model_key(key):
+    """``(prim, impl, phase)`` of a manifest key."""
+    prim, impl, phase = (key.split("/") + ["forward"])[:3]
+    return prim, impl, phase
 
 
 # -- tree ensembles --------------------------------------------------------------------------------
@@ -223,46 +261,126 @@ class Trees:
 
 # -- the cost model ---------------------------------------------------------------------------------
 _TOKENS = itertools.count()
+_WARNED = set()
+
+
+def _warn_once(msg, stacklevel=3):
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg, CostModelWarning, stacklevel=stacklevel)
+
+
+class _Lazy:
+    """A value computed on first use (``get``): a calibration is only measured when a transferred
+    model actually prices a call."""
+
+    def __init__(self, make):
+        self.make, self.value, self.done = make, None, False
+
+    def get(self):
+        if not self.done:
+            self.value, self.done = self.make(), True
+        return self.value
+
+
+def _resolve(x):
+    return x.get() if isinstance(x, _Lazy) else x
 
 
 class LearnedCost:
-    """``predict(prim, impl, gi, dims)``: seconds of one forward call by the learned model of
-    ``(prim, impl)``, or by ``fallback`` (the analytical model) for a pair without a model.
+    """Predicted seconds of primitive calls by the learned models of one model folder.
+
+    ``predict(prim, impl, gi, dims)``: one forward call (no autograd). ``predict_train(prim, impl,
+    gi, dims)``: the forward with autograd plus the backward computing the gradients of the
+    operands ``TRAIN_GRADS[prim]`` names, or ``None`` when this folder has a forward model of the
+    pair but no training one (the caller then estimates the backward from the forward).
+
+    ``transfer`` (a ``granii.calibration.Transfer``, or ``None`` for models of this machine)
+    rescales every prediction from the machine the models were trained on to this one.
+    A pair without a model is priced by ``fallback`` (another folder's models transferred, or the
+    analytical model), with one warning naming the pair and who prices it.
 
     Graph features are cached in ``gi.cache`` by ``featurize``; each prediction is cached there too,
-    under this instance, the primitive, the implementation and ``dims``.
+    under this instance, the phase, the primitive, the implementation and ``dims``.
     """
 
-    def __init__(self, trees, manifest, path=None, fallback=None):
-        self.trees = trees                       # {(prim, impl): Trees}
+    def __init__(self, trees, manifest, path=None, fallback=None, train_trees=None, transfer=None):
+        self.trees = trees                       # {(prim, impl): Trees} of the forward
+        self.train_trees = train_trees or {}     # {(prim, impl): Trees} of forward + backward
         self.manifest = manifest
         self.path = path
-        self.fallback = fallback or AnalyticalCost()
-        self.name = f"learned ({manifest.get('fingerprint_id', '?')})"
+        self._fallback = fallback
+        self._transfer = transfer
+        fid = manifest.get("fingerprint_id", "?")
+        self.name = f"learned ({fid})" if transfer is None else f"transferred ({fid}, calibrated)"
         self._token = ("learned_cost", next(_TOKENS))
 
-    def has_model(self, prim, impl):
-        return (prim, impl) in self.trees
+    @property
+    def fallback(self):
+        fb = _resolve(self._fallback)
+        self._fallback = fb if fb is not None else AnalyticalCost()
+        return self._fallback
+
+    @property
+    def transfer(self):
+        self._transfer = _resolve(self._transfer)
+        return self._transfer
+
+    def has_model(self, prim, impl, phase="forward"):
+        return (prim, impl) in (self.trees if phase == "forward" else self.train_trees)
+
+    def pricer(self, prim, impl, phase="forward"):
+        """The name of the cost model that prices ``(prim, impl)`` in ``phase``."""
+        if self.has_model(prim, impl, phase):
+            return self.name
+        if phase != "forward" and self.has_model(prim, impl):
+            return f"{self.name}, backward from the forward"
+        fb = self.fallback
+        return fb.pricer(prim, impl, phase) if isinstance(fb, LearnedCost) else fb.name
 
     def predict(self, prim, impl, gi, dims):
-        if (prim, impl) not in self.trees:
-            return self.fallback.predict(prim, impl, gi, dims)
-        key = (self._token, prim, impl, tuple(sorted(dims.items())))
+        return self._predict("forward", prim, impl, gi, dims, True)
+
+    def predict_train(self, prim, impl, gi, dims):
+        return self._predict("train", prim, impl, gi, dims, True)
+
+    def _predict(self, phase, prim, impl, gi, dims, warn):
+        trees = self.trees if phase == "forward" else self.train_trees
+        if (prim, impl) not in trees:
+            if phase == "train" and (prim, impl) in self.trees:
+                if warn:
+                    _warn_once(f"granii: no training-phase cost model for {prim}/{impl} in "
+                               f"{self.name}; its backward is estimated from the forward",
+                               stacklevel=4)
+                return None
+            fb = self.fallback
+            if warn:
+                _warn_once(f"granii: no cost model for {prim}/{impl} in {self.name}; priced by "
+                           f"{self.pricer(prim, impl, phase)}", stacklevel=4)
+            if isinstance(fb, LearnedCost):
+                return fb._predict(phase, prim, impl, gi, dims, False)
+            return fb.predict(prim, impl, gi, dims) if phase == "forward" else None
+        key = (self._token, phase, prim, impl, tuple(sorted(dims.items())))
         cache = getattr(gi, "cache", None)
         if cache is not None and key in cache:
             return cache[key]
-        t = float(self.predict_many(prim, impl, gi, [dims])[0])
+        t = float(self.predict_many(prim, impl, gi, [dims], phase)[0])
         if cache is not None:
             cache[key] = t
         return t
 
-    def predict_many(self, prim, impl, gi, dims_list):
+    def predict_many(self, prim, impl, gi, dims_list, phase="forward", rescale=True):
         """Seconds for several ``dims`` on one graph, in one batch (``gi`` may differ per row if
-        a list of graphs is given)."""
-        trees = self.trees[(prim, impl)]
+        a list of graphs is given); ``rescale=False``: on the machine the models were trained
+        on (no transfer)."""
+        trees = (self.trees if phase == "forward" else self.train_trees)[(prim, impl)]
         gis = gi if isinstance(gi, (list, tuple)) else [gi] * len(dims_list)
-        rows, margins = zip(*(model_inputs(prim, g, d) for g, d in zip(gis, dims_list)))
-        return np.exp(trees.predict(np.vstack(rows), np.array(margins)))
+        rows, margins = zip(*(model_inputs(prim, g, d, phase) for g, d in zip(gis, dims_list)))
+        t = np.exp(trees.predict(np.vstack(rows), np.array(margins)))
+        tr = self.transfer if rescale else None
+        if tr is not None:
+            t = np.array([tr.scale(prim, float(x)) for x in t])
+        return t
 
 
 def _read_manifest(path):
@@ -286,32 +404,34 @@ def _read_manifest(path):
     return manifest
 
 
-def load(path, fingerprint=None):
+def load(path, fingerprint=None, check=True):
     """The ``LearnedCost`` of the model folder ``path``, after checking it fits this machine.
 
     Refuses (``CostModelError``, naming the fix) a folder without a readable manifest, one made on
     another machine or setup (``fingerprint``: the expected one, by default this machine's at the
-    current torch thread count), one trained for another feature set, and damaged model files.
+    current torch thread count; not checked with ``check=False``, for a transfer), one trained for
+    another feature set, and damaged model files.
     """
     path = Path(path)
     manifest = _read_manifest(path)
-    here = fingerprint if fingerprint is not None else machine_fingerprint()
-    diff = differences(here, manifest["fingerprint"])
-    if diff:
-        raise CostModelError(
-            f"granii: the cost models in {path} were made for another machine or setup "
-            f"({'; '.join(diff)}): run {FIX} to profile this one")
-    models = {}
+    if check:
+        here = fingerprint if fingerprint is not None else machine_fingerprint()
+        diff = differences(here, manifest["fingerprint"])
+        if diff:
+            raise CostModelError(
+                f"granii: the cost models in {path} were made for another machine or setup "
+                f"({'; '.join(diff)}): run {FIX} to profile this one")
+    models = {"forward": {}, "train": {}}
     for key, entry in manifest["models"].items():
-        prim, _, impl = key.partition("/")
-        if prim not in MODEL_SIZES:
+        prim, impl, phase = parse_model_key(key)
+        if prim not in MODEL_SIZES or phase not in models:
             continue
         want = model_feature_names(prim)
         if entry.get("features") != want or entry.get("baseline", BASELINE) != BASELINE:
             raise CostModelError(
                 f"granii: the {key} model in {path} was trained for another feature set "
                 f"({len(entry.get('features') or [])} features, {len(want)} now): re-run {FIX}")
-        fpath = path / entry.get("file", model_file(prim, impl))
+        fpath = path / entry.get("file", model_file(prim, impl, phase))
         try:
             trees = Trees(json.loads(fpath.read_text()))
             n_feat = trees.num_features
@@ -323,12 +443,11 @@ def load(path, fingerprint=None):
         if n_feat != len(want):
             raise CostModelError(f"granii: cost-model file {fpath} expects {n_feat} features, "
                                  f"its manifest {len(want)}: re-run {FIX}")
-        models[(prim, impl)] = trees
-    return LearnedCost(models, manifest, path)
+        models[phase][(prim, impl)] = trees
+    return LearnedCost(models["forward"], manifest, path, train_trees=models["train"])
 
 
 _LOADED = {}
-_WARNED = set()
 
 
 def models_dir():
@@ -336,9 +455,61 @@ def models_dir():
     return Path(os.environ.get("GRANII_COSTMODELS", DEFAULT_DIR))
 
 
+def foreign_models(root, fp):
+    """The loadable model folders of ``root`` made for other setups than ``fp``, closest first
+    (same processor and threads, then same processor, then the most models)."""
+    fid = fingerprint_id(fp)
+    found = []
+    for mpath in sorted(Path(root).glob(f"*/{MANIFEST}")):
+        if mpath.parent.name == fid:
+            continue
+        try:
+            m = load(mpath.parent, check=False)
+        except CostModelError:
+            continue
+        theirs = m.manifest["fingerprint"]
+        found.append(((theirs.get("cpu_model") != fp["cpu_model"],
+                       theirs.get("threads") != fp["threads"],
+                       -len(m.trees) - len(m.train_trees), mpath.parent.name), m))
+    return [m for _, m in sorted(found, key=lambda x: x[0])]
+
+
+def model_calibration(model):
+    """Reference times of the machine ``model`` was trained on: measured at its init (manifest
+    ``calibration``), else what its own models predict for the reference calls."""
+    from . import calibration
+    cal = model.manifest.get("calibration") or {}
+    return dict(cal.get("times") or calibration.predicted(model))
+
+
+def transferred(models, here):
+    """``models`` (foreign ``LearnedCost``s, closest first) chained as fallbacks of each other,
+    each rescaled by a ``Transfer`` to this machine's calibration ``here`` (a ``_Lazy``); the
+    last falls back to the analytical model with calibrated rates. Returns the first of the
+    chain (or that analytical model when ``models`` is empty)."""
+    from . import calibration
+    chain = _Lazy(lambda: AnalyticalCost(name="analytical (calibrated)",
+                                         **calibration.analytical_rates(here.get()["times"])))
+    for m in reversed(models):
+        m._transfer = _Lazy(lambda m=m: calibration.Transfer(model_calibration(m),
+                                                               here.get()["times"]))
+        m._fallback = chain
+        m.name = f"transferred ({m.manifest['fingerprint_id']}, calibrated)"
+        chain = m
+    return chain
+
+
 def default_cost_model(root=None):
-    """The learned models of this machine from ``root/<fingerprint id>/``, else the analytical
-    model, with a warning (once per reason) naming the command that installs them."""
+    """The cost model granii uses on this machine, with one warning when it is not this
+    machine's own:
+
+    * the learned models of ``root/<fingerprint id>/`` when they fit this machine; pairs they
+      lack are priced as below;
+    * otherwise the models of the closest other setup in ``root``, rescaled by a short calibration
+      of this machine (``granii.calibration``: a few seconds on first use, cached);
+    * without any, the analytical model with the calibrated rates.
+    """
+    from . import calibration
     root = Path(root) if root is not None else models_dir()
     fp = machine_fingerprint()
     fid = fingerprint_id(fp)
@@ -346,19 +517,30 @@ def default_cost_model(root=None):
     if key in _LOADED:
         return _LOADED[key]
     path = root / fid
+    own, reason = None, None
     try:
-        model = _LOADED[key] = load(path, fp)
-        return model
+        own = load(path, fp)
     except CostModelError as e:
-        if (path / MANIFEST).exists():
-            msg = f"{e}. Using the analytical cost model meanwhile."
-        else:
-            others = sorted(p.parent.name for p in root.glob(f"*/{MANIFEST}"))
-            note = f" (it holds models for other setups: {', '.join(others)})" if others else ""
-            msg = (f"granii: no learned cost models for this machine ({fp['cpu_model']}, "
-                   f"{fp['threads']} threads, torch {fp['torch']}; id {fid}) in {root}{note}; "
-                   f"using the analytical cost model. Run {FIX} to profile this machine.")
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        warnings.warn(msg, CostModelWarning, stacklevel=2)
-    return AnalyticalCost()
+        reason = e
+    here = _Lazy(lambda: calibration.this_machine(fp))
+    foreign = foreign_models(root, fp) if root.is_dir() else []
+    chain = transferred(foreign, here)
+    if own is not None:
+        own._fallback = chain
+        _LOADED[key] = own
+        return own
+    what = (f"the models of {foreign[0].manifest['fingerprint_id']} "
+            f"({foreign[0].manifest['fingerprint'].get('cpu_model')}, "
+            f"{foreign[0].manifest['fingerprint'].get('threads')} threads) rescaled by a "
+            f"calibration of this machine (a few seconds once, cached in {calibration.cache_dir()})"
+            if foreign else "the analytical cost model with this machine's calibrated rates")
+    if (path / MANIFEST).exists():
+        msg = f"{reason}. Using {what} meanwhile."
+    else:
+        msg = (f"granii: no learned cost models for this machine ({fp['cpu_model']}, "
+               f"{fp['threads']} threads, torch {fp['torch']}; id {fid}) in {root}; using "
+               f"{what}. Run {FIX} to profile this machine.")
+    _warn_once(msg)
+    model = _resolve(chain)
+    _LOADED[key] = model
+    return model

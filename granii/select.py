@@ -9,12 +9,22 @@ Plans promoted only for the other embedding-size scenario are skipped first (the
 features need no gradient and the same tensor came back (``input_repeats``: the first layer of a
 model on fixed features): then work on the features alone runs once per input (``A H``), which the
 scenarios did not assume, and every promoted plan is priced.
-Training (gradients needed) adds the backward of each every-call step: one more call of the
-same size per operand that needs a gradient (``dX = A^T dY`` is an SpMM, ``dW = X^T dY`` a GEMM).
+Training (gradients needed) prices each every-call step whose operands need a gradient by the
+measured forward and backward of its implementation (``step_seconds``):
+
+    c = f + (b - f) * g / G + f * g'
+
+with ``f`` the predicted forward, ``b`` the predicted forward + backward computing the ``G``
+gradients the profiler measured (``learned.TRAIN_GRADS``: features, weights, edge values,
+attention terms), ``g`` of those needed here, and ``g'`` needed gradients of other operands
+(priced as one call of the forward each). Without a training-phase model (the analytical model,
+older model folders) ``c = f (1 + g + g')``: one more call of the same size per gradient
+(``dX = A^T dY`` is an SpMM, ``dW = X^T dY`` a GEMM).
 """
 from dataclasses import dataclass
 
 from .costmodel import concrete_dims
+from .learned import TRAIN_GRADS
 from .plan import EVERY, GRAPH, INPUT, step_impls
 from .prune import GE, LT
 
@@ -59,10 +69,9 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
             continue
         dims = concrete_dims(step.sig, symbols)
         options = []
+        needed = tuple(i for i, a in enumerate(step.args) if a in grad_vars)
         for impl in step_impls(step):
-            t = _predict(model, step.prim, impl, gi, dims, _heads(plan))
-            n_bwd = sum(1 for a in step.args if a in grad_vars)
-            t *= 1 + n_bwd
+            t = step_seconds(model, step.prim, impl, gi, dims, _heads(plan), needed)
             amortised = step.when == GRAPH or (step.when == INPUT and cacheable)
             options.append((t / expected_calls if amortised else t, impl))
         t, impl = min(options)
@@ -72,18 +81,36 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
     return Choice(plan, tuple(impls), total, rows)
 
 
+def step_seconds(model, prim, impl, gi, dims, heads=1, needed=()):
+    """Predicted seconds of one call, with the backward of the operands at positions ``needed``
+    (see the module docstring)."""
+    f = _predict(model, prim, impl, gi, dims, heads)
+    if not needed:
+        return f
+    measured = TRAIN_GRADS.get(prim, ())
+    inside = sum(1 for i in needed if i in measured)
+    outside = len(needed) - inside
+    b = _predict(model, prim, impl, gi, dims, heads, "train") if inside else None
+    if b is None:
+        return f * (1 + len(needed))
+    return f + max(b - f, 0.0) * inside / len(measured) + f * outside
+
+
 def _heads(plan):
     return int(plan.heads[0]) if plan.heads else 1
 
 
-def _predict(model, prim, impl, gi, dims, heads):
+def _predict(model, prim, impl, gi, dims, heads, phase="forward"):
     """Predicted seconds of one call. With several attention heads, edge scores and softmax
     carry ``heads`` values per edge; a weighted SpMM over heads is one call of the full width
     ``k`` in both implementations (DGL's native heads; torch's interleaved CSR product with
     ``heads`` values per edge on rows of ``k / heads``: the same multiply-adds)."""
     if heads > 1 and prim in ("sddmm_add", "edge_softmax"):
-        return model.predict(prim, impl, gi, dict(dims, heads=heads))
-    return model.predict(prim, impl, gi, dims)
+        dims = dict(dims, heads=heads)
+    if phase == "forward":
+        return model.predict(prim, impl, gi, dims)
+    train = getattr(model, "predict_train", None)
+    return train(prim, impl, gi, dims) if train is not None else None
 
 
 def _needs_grad(plan, training, input_grad):
@@ -98,4 +125,4 @@ def _needs_grad(plan, training, input_grad):
     return grad
 
 
-__all__ = ["rank", "Choice", "EXPECTED_CALLS", "EVERY"]
+__all__ = ["rank", "price", "step_seconds", "Choice", "EXPECTED_CALLS", "EVERY"]

@@ -2,9 +2,11 @@
 
 Records go to ``<run_dir>/points.jsonl``, one JSON line per (point, implementation):
 
-    key, prim, impl, graph, sizes, num_src, num_dst, num_edges,
+    key, prim, impl, phase, graph, sizes, num_src, num_dst, num_edges,
     status   "ok" | "skipped_memory" | "skipped_slow" | "error"
-    median   seconds of one forward call (median over rounds), samples (every round), iqr
+    median   seconds of one call (median over rounds), samples (every round), iqr: in phase
+             "forward" one forward call without autograd, in phase "train" the forward with
+             autograd and the backward (``points.runners``)
     reason   why a point was skipped or failed
 
 and the features of each graph to ``<run_dir>/graphs.jsonl``. A point's lines are written together
@@ -124,9 +126,9 @@ def approx_size(name):
     return 1000, 10000
 
 
-def _weight(config, prim, sizes, n_impls, n_src=0, n_dst=0, e=0):
+def _weight(config, prim, sizes, n_impls, n_src=0, n_dst=0, e=0, phase="forward"):
     """Estimated seconds of one point: warm-up and repeat rounds of all implementations."""
-    est = pts.estimate(prim, sizes, n_src, n_dst, e) * n_impls
+    est = pts.estimate(prim, sizes, n_src, n_dst, e, phase) * n_impls
     if est > config.max_call:
         return _OVERHEAD
     t = est * 1.5       # the baseline is optimistic
@@ -135,10 +137,10 @@ def _weight(config, prim, sizes, n_impls, n_src=0, n_dst=0, e=0):
 
 
 # -- measuring -------------------------------------------------------------------------------------
-def measure(fns, config, est):
+def measure(fns, config, est, phase="forward"):
     """``{impl: (median, samples)}`` of the callables ``fns`` timed side by side."""
     repeat = config.repeat_fast if est < 1e-3 else config.repeat
-    with torch.no_grad():
+    with torch.set_grad_enabled(phase != "forward"):
         return side_by_side(fns, warmup=config.warmup, repeat=repeat, budget=config.budget)
 
 
@@ -179,6 +181,24 @@ class Probe:
         return t, waited
 
 
+def _failing(fns, phase):
+    """``{impl: reason}`` of the implementations whose first call raises (one broken kernel does
+    not cost the others their point)."""
+    failed = {}
+    with torch.set_grad_enabled(phase != "forward"):
+        for impl, fn in fns.items():
+            try:
+                fn()
+            except (RuntimeError, ValueError, TypeError) as e:
+                failed[impl] = f"{type(e).__name__}: {str(e)[:300]}"
+    return failed
+
+
+def _disagree(timings):
+    """Some implementation's rounds disagree (see ``unsettled``)."""
+    return any(med > 1e-3 and med > _SPREAD * min(samples) for med, samples in timings.values())
+
+
 def _iqr(samples):
     if len(samples) < 4:
         return max(samples) - min(samples)
@@ -186,11 +206,12 @@ def _iqr(samples):
     return q[2] - q[0]
 
 
-def _rows(key, prim, impls, graph, sizes, shape, status, timings=None, reason=None, probe=None):
+def _rows(key, prim, impls, graph, sizes, shape, status, timings=None, reason=None, probe=None,
+          phase="forward"):
     n_src, n_dst, e = shape
     rows = []
     for impl in impls:
-        r = {"key": key, "prim": prim, "impl": impl, "graph": graph, "sizes": sizes,
+        r = {"key": key, "prim": prim, "impl": impl, "phase": phase, "graph": graph, "sizes": sizes,
              "num_src": n_src, "num_dst": n_dst, "num_edges": e, "status": status}
         if timings is not None:
             med, samples = timings[impl]
@@ -225,6 +246,9 @@ class _Run:
         self.probe = Probe()
         self.wait_left = config.wait_budget
         self.waited = 0.0
+        self.retried = 0
+        self.deadline = math.inf
+        self.stopped_early = False
 
     def count(self, prim, status):
         self.counts.setdefault(prim, {}).setdefault(status, 0)
@@ -237,55 +261,85 @@ class _Run:
         if self.bar is not None:
             self.bar.update(weight)
 
-    def run_point(self, prim, impls, graph, sizes, make_fns, shape, slow):
+    def run_point(self, prim, impls, graph, sizes, make_fns, shape, slow, phase="forward"):
         """Measure one point (or record why not); returns the seconds of one round of all impls."""
-        key = pts.point_key(prim, graph, sizes)
-        weight = _weight(self.config, prim, sizes, len(impls), *shape)
+        key = pts.point_key(prim, graph, sizes, phase)
+        weight = _weight(self.config, prim, sizes, len(impls), *shape, phase=phase)
+        tag = prim if phase == "forward" else f"{prim}/{phase}"
+        if time.perf_counter() > self.deadline:
+            raise _TimeUp
         if key in self.done:
-            self.count(prim, "resumed")
+            self.count(tag, "resumed")
             if self.bar is not None:
                 self.bar.update(weight)
             return None
-        est = pts.estimate(prim, sizes, *shape)
-        need = pts.point_bytes(prim, sizes, *shape)
+        est = pts.estimate(prim, sizes, *shape, phase=phase)
+        need = pts.point_bytes(prim, sizes, *shape) * (2 if phase == "train" else 1)
+        row = lambda status, **kw: _rows(key, prim, impls, graph, sizes, shape, status,
+                                         phase=phase, **kw)
         if need > self.mem_limit:
             reason = f"needs about {need / 2**30:.1f} GiB, limit {self.mem_limit / 2**30:.1f} GiB"
-            self.write(_rows(key, prim, impls, graph, sizes, shape, "skipped_memory",
-                             reason=reason), prim, "skipped_memory", weight)
+            self.write(row("skipped_memory", reason=reason), tag, "skipped_memory", weight)
             return None
         if slow or est * len(impls) > self.config.max_call:
             reason = slow or f"estimated {est * len(impls):.2f} s per round"
-            self.write(_rows(key, prim, impls, graph, sizes, shape, "skipped_slow",
-                             reason=reason), prim, "skipped_slow", weight)
+            self.write(row("skipped_slow", reason=reason), tag, "skipped_slow", weight)
             return None
         try:
             fns = make_fns()
+            failed = _failing(fns, phase)
+            if failed:
+                self.write([r for i, reason in failed.items() for r in _rows(
+                    key, prim, [i], graph, sizes, shape, "error", reason=reason, phase=phase)],
+                    tag, "error", 0.0)
+                fns = {i: f for i, f in fns.items() if i not in failed}
+                impls = [i for i in impls if i not in failed]
+                if not fns:
+                    return None
             before, waited = self.probe.wait_quiet(min(self.config.max_wait, self.wait_left))
             self.wait_left -= waited
             self.waited += waited
-            timings = measure(fns, self.config, est)
+            timings = measure(fns, self.config, est, phase)
             after = self.probe.seconds()
+            for _ in range(self.config.retries):
+                if max(before, after) <= self.probe.threshold and not _disagree(timings):
+                    break
+                # measured while other processes held the cores: wait for them (within the
+                # budget) and measure again, keeping each implementation's fastest median
+                before, waited = self.probe.wait_quiet(min(self.config.max_wait, self.wait_left))
+                self.wait_left -= waited
+                self.waited += waited
+                again = measure(fns, self.config, est, phase)
+                after = self.probe.seconds()
+                self.retried += 1
+                timings = {i: min(timings[i], again[i], key=lambda x: x[0]) for i in timings}
         except (RuntimeError, MemoryError, ValueError) as e:
-            self.write(_rows(key, prim, impls, graph, sizes, shape, "error",
-                             reason=f"{type(e).__name__}: {str(e)[:300]}"), prim, "error", weight)
+            self.write(row("error", reason=f"{type(e).__name__}: {str(e)[:300]}"), tag, "error",
+                       weight)
             return None
         finally:
             fns = None
             if need > _COLLECT_BYTES:
                 gc.collect()
         contended = max(before, after) > self.probe.threshold
-        self.write(_rows(key, prim, impls, graph, sizes, shape, "ok", timings,
-                         probe=(max(before, after), contended)), prim, "ok", weight)
+        self.write(row("ok", timings=timings, probe=(max(before, after), contended)), tag, "ok",
+                   weight)
         if contended:
-            self.count(prim, "contended")
+            self.count(tag, "contended")
         return sum(m for m, _ in timings.values())
 
     def run_series(self, prim, impls, graph, series, make, shape):
-        """Points of one (primitive, graph) in increasing work; once a round takes longer than
-        ``max_call`` the larger ones are recorded as skipped."""
+        """Points of one (primitive, graph) in increasing work, in each phase of the run; once a
+        round takes longer than ``max_call`` the larger ones are recorded as skipped."""
+        for phase in self.config.phases:
+            if pts.has_phase(prim, phase):
+                self._series(prim, impls, graph, series, make, shape, phase)
+
+    def _series(self, prim, impls, graph, series, make, shape, phase):
         slow = None
         for sizes in series:
-            t = self.run_point(prim, impls, graph, sizes, lambda s=sizes: make(s), shape, slow)
+            t = self.run_point(prim, impls, graph, sizes, lambda s=sizes: make(s, phase), shape,
+                               slow, phase)
             if t is not None and t > self.config.max_call and slow is None:
                 slow = f"a smaller size took {t:.2f} s per round"
 
@@ -294,36 +348,49 @@ def plan_weight(config, prims):
     """Estimated total seconds of a run (before resuming) and its number of points."""
     total, n = 0.0, 0
     for prim, impls in prims:
+        phases = [ph for ph in config.phases if pts.has_phase(prim, ph)]
         if prim in pts.DENSE_PRIMS:
             for sizes in pts.dense_points(prim, config):
-                total += _weight(config, prim, sizes, len(impls))
-                n += 1
+                for ph in phases:
+                    total += _weight(config, prim, sizes, len(impls), phase=ph)
+                    n += 1
     for name, _ in pts.graph_jobs(config):
         nodes, e = approx_size(name)
         for prim, impls in prims:
             if prim in pts.GRAPH_PRIMS:
                 for sizes in pts.graph_sizes(prim, config):
-                    total += _weight(config, prim, sizes, len(impls), nodes, nodes, e)
-                    n += 1
+                    for ph in config.phases:
+                        if pts.has_phase(prim, ph):
+                            total += _weight(config, prim, sizes, len(impls), nodes, nodes, e,
+                                             phase=ph)
+                            n += 1
     return total, n
 
 
+class _TimeUp(Exception):
+    pass
+
+
 def profile(config, run_dir, threads=2, resume=True, progress=True, log=print,
-            retry_contended=False):
+            retry_contended=False, time_limit=None):
     """Run (or resume) the profiling of ``config`` into ``run_dir``; returns a summary dict.
     ``retry_contended`` measures again the points recorded while the machine was contended (the
-    newer records then take precedence in training)."""
+    newer records then take precedence in training). ``time_limit`` (seconds): stop after the
+    point that passes it (``summary["stopped_early"]``); a later resumed run continues."""
     previous = torch.get_num_threads()
     threads = fix_threads(threads)
     try:
-        return _profile(config, run_dir, threads, resume, progress, log, retry_contended)
+        return _profile(config, run_dir, threads, resume, progress, log, retry_contended,
+                        time_limit)
     finally:
         torch.set_num_threads(previous)
 
 
-def _profile(config, run_dir, threads, resume, progress, log, retry_contended):
+def _profile(config, run_dir, threads, resume, progress, log, retry_contended, time_limit):
     prims = [(p, i) for p, i in pts.registered(config.prims)]
     run = _Run(config, run_dir, resume, log, retry_contended)
+    if time_limit is not None:
+        run.deadline = time.perf_counter() + time_limit
     total, n_points = plan_weight(config, prims)
     start = time.perf_counter()
     log(f"granii: profiling '{config.name}' with {threads} threads: {n_points} points "
@@ -339,12 +406,18 @@ def _profile(config, run_dir, threads, resume, progress, log, retry_contended):
             warnings.filterwarnings("ignore", message=".*is in beta")
             _dense(run, prims)
             _graphs(run, prims)
+    except _TimeUp:
+        run.stopped_early = True
+        log(f"granii: profiling stopped at its time limit ({time_limit:.0f} s); training on "
+            "the points measured (a resumed run continues)")
     finally:
         if run.bar is not None:
             run.bar.close()
     seconds = time.perf_counter() - start
     summary = {"config": config.name, "threads": threads, "seconds": seconds,
-               "waited": run.waited, "counts": run.counts, "run_dir": str(run.dir)}
+               "waited": run.waited, "retried": run.retried, "counts": run.counts,
+               "stopped_early": run.stopped_early,
+               "run_dir": str(run.dir)}
     log(format_summary(summary))
     return summary
 
@@ -363,7 +436,8 @@ def _dense(run, prims):
             series.setdefault(tuple(v for k, v in sizes.items() if k != last), []).append(sizes)
         for group in series.values():
             run.run_series(prim, impls, pts.DENSE, group,
-                           lambda s, p=prim, i=impls: pts.runners(p, None, s, i), (0, 0, 0))
+                           lambda s, ph, p=prim, i=impls: pts.runners(p, None, s, i, ph),
+                           (0, 0, 0))
 
 
 def _graphs(run, prims):
@@ -371,16 +445,20 @@ def _graphs(run, prims):
     graph_prims = [(p, i) for p, i in prims if p in pts.GRAPH_PRIMS]
     prev_name, prev_g = None, None
     for name, base in jobs:
-        keys = [pts.point_key(p, name, s) for p, _ in graph_prims
-                for s in pts.graph_sizes(p, run.config)]
+        keys = [pts.point_key(p, name, s, ph) for p, _ in graph_prims
+                for s in pts.graph_sizes(p, run.config) for ph in run.config.phases
+                if pts.has_phase(p, ph)]
         if all(k in run.done for k in keys) and name in run.known_graphs:
             for p, impls in graph_prims:
                 for s in pts.graph_sizes(p, run.config):
-                    rec = run.known_graphs[name]
-                    run.count(p, "resumed")
-                    if run.bar is not None:
-                        run.bar.update(_weight(run.config, p, s, len(impls), rec["num_src"],
-                                               rec["num_dst"], rec["num_edges"]))
+                    for ph in run.config.phases:
+                        if not pts.has_phase(p, ph):
+                            continue
+                        rec = run.known_graphs[name]
+                        run.count(p if ph == "forward" else f"{p}/{ph}", "resumed")
+                        if run.bar is not None:
+                            run.bar.update(_weight(run.config, p, s, len(impls), rec["num_src"],
+                                                   rec["num_dst"], rec["num_edges"], phase=ph))
             continue
         if run.bar is not None:
             run.bar.set_postfix_str(f"building {name[:48]}")
@@ -401,7 +479,7 @@ def _graphs(run, prims):
             run.bar.set_postfix_str(f"E={gi.num_edges:,} {name[:40]}")
         for prim, impls in graph_prims:
             run.run_series(prim, impls, name, pts.graph_sizes(prim, run.config),
-                           lambda s, p=prim, i=impls: pts.runners(p, gi, s, i), shape)
+                           lambda s, ph, p=prim, i=impls: pts.runners(p, gi, s, i, ph), shape)
         if base is None:
             prev_name, prev_g = name, g
         del gi, g
@@ -423,6 +501,7 @@ def format_summary(summary):
             tot[s] += c.get(s, 0)
     lines.append(f"  {'total':<15}" + "".join(f"{tot[s]:>15}" for s in statuses))
     lines.append(f"  ({summary.get('waited', 0):.0f} s waited for other processes to leave the cores; "
-                 "'contended': measured while they did not, kept in 'ok')")
+                 f"{summary.get('retried', 0)} points measured again after a contended or "
+                 "unsettled round; 'contended': still contended after that, kept in 'ok')")
     lines.append(f"  records: {summary['run_dir']}")
     return "\n".join(lines)

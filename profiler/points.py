@@ -19,12 +19,17 @@ import numpy as np
 import torch
 
 from granii import kernels
-from granii.learned import MODEL_SIZES, baseline_seconds
+from granii.learned import MODEL_SIZES, PHASES, TRAIN_GRADS, baseline_seconds
 from profiler import generators as gen
+
+try:        # the fused GAT kernels register themselves when imported
+    import granii.kernels.native_gat  # noqa: F401
+except ImportError:
+    pass
 
 DENSE = "dense"
 GRAPH_PRIMS = ["spmm", "spmm_weighted", "spmm_mean", "spmm_max", "sddmm_scale", "sddmm_add",
-               "edge_softmax"]
+               "edge_softmax", "spmm_norm", "gat_aggregate"]
 DENSE_PRIMS = ["gemm", "row_scale"]
 
 
@@ -34,7 +39,9 @@ class Config:
 
     ``graphs``: corpus names (``generators.build`` rebuilds each); ``blocks_every``: add a one-hop
     sampled block of every this-many-th non-sampled graph (0: none). ``ks``: embedding sizes of the
-    SpMMs; ``heads``: head counts of the edge-score primitives. ``gemm_m``/``gemm_kn``: the GEMM
+    SpMMs; ``heads``: head counts of the edge-score primitives; ``gat_f``: per-head widths of
+    ``gat_aggregate`` (``k = heads x F``). ``phases``: "forward" (no autograd) and "train"
+    (forward and backward of the gradients ``learned.TRAIN_GRADS`` names). ``gemm_m``/``gemm_kn``: the GEMM
     grid (``k`` and ``n`` both from ``gemm_kn``); ``row_n``/``row_k``: the row-scaling grid.
     ``max_call``: a point whose implementations take longer than this together (seconds per round)
     ends the larger sizes of its (primitive, graph); points whose baseline estimate already exceeds
@@ -46,6 +53,8 @@ class Config:
     graphs: list
     ks: list
     heads: list = field(default_factory=lambda: [1, 4])
+    gat_f: list = field(default_factory=lambda: [8, 64])
+    phases: tuple = PHASES
     prims: list = field(default_factory=lambda: GRAPH_PRIMS + DENSE_PRIMS)
     blocks_every: int = 0
     gemm_m: list = field(default_factory=list)
@@ -57,32 +66,42 @@ class Config:
     repeat_fast: int = 15          # repeats of points whose baseline is under 1 ms
     budget: float = 2.0            # seconds of repeats per point after the first 3 rounds
     max_call: float = 1.0
+    trees: int = 160               # boosting rounds of each model trained on this run
     mem_fraction: float = 0.4
     max_wait: float = 5.0          # seconds a point waits for a contended machine to calm down
+    retries: int = 1               # measurements again of a point measured while contended
     wait_budget: float = 300.0     # seconds all points together may wait
 
 
 def quick_config():
-    """A few minutes: every other graph of the quick corpus, four sizes, small grids."""
+    """About two minutes of profiling (``granii-init --quick`` stops it at 100 s): every third graph of the quick corpus, two sizes,
+    small grids, no waiting for a quiet machine (points measured under load are flagged)."""
     names = [n for n, _ in gen.corpus("quick")]
-    return Config("quick", graphs=names[::2], ks=[16, 64, 256, 1024], heads=[1, 4],
-                  blocks_every=4, gemm_m=[300, 2708, 20000, 150000],
-                  gemm_kn=[16, 64, 256, 1024], row_n=[300, 5000, 80000, 1000000],
-                  row_k=[16, 64, 256, 1024], warmup=1, repeat=5, repeat_fast=9, budget=0.6,
-                  max_call=0.25, max_wait=2.0, wait_budget=60.0)
+    return Config("quick", graphs=names[::3], ks=[32, 256], heads=[1, 4], gat_f=[16],
+                  blocks_every=4, gemm_m=[300, 5000, 60000], gemm_kn=[16, 128, 1024],
+                  row_n=[1000, 50000, 1000000], row_k=[16, 256], warmup=1, repeat=3,
+                  repeat_fast=5, budget=0.15, max_call=0.08, max_wait=0.0, wait_budget=0.0,
+                  retries=0, trees=80)
 
 
 def full_config():
-    """About 30-60 minutes: the full corpus, sizes 16..2048, finer grids."""
+    """An hour or more on two cores: the full corpus up to 4 M edges, sizes 16..1024, both phases,
+    a GEMM grid of 8 x 8 x 8; contended points waited for and measured again once."""
     names = [n for n, _ in gen.corpus("full")]
-    return Config("full", graphs=names, ks=[16, 32, 64, 128, 256, 512, 1024, 2048],
-                  heads=[1, 2, 4, 8], blocks_every=3,
-                  gemm_m=[int(m) for m in np.geomspace(100, 4e6, 12).round(-1)],
-                  gemm_kn=[16, 32, 64, 128, 256, 512, 1024, 2048, 47, 100, 500, 1433],
+    names = [n for n in names if _approx_edges(n) <= 4e6]
+    return Config("full", graphs=names, ks=[16, 32, 128, 256, 1024],
+                  heads=[1, 4, 8], gat_f=[8, 64], blocks_every=3,
+                  gemm_m=[int(m) for m in np.geomspace(100, 2e6, 8).round(-1)],
+                  gemm_kn=[16, 32, 64, 128, 256, 512, 1024, 100],
                   row_n=[int(m) for m in np.geomspace(100, 4e6, 8).round(-1)],
-                  row_k=[16, 64, 256, 1024, 2048, 100, 500],
-                  warmup=2, repeat=7, repeat_fast=15, budget=1.0, max_call=0.5, max_wait=2.0,
-                  wait_budget=300.0)
+                  row_k=[16, 64, 256, 1024, 100],
+                  warmup=2, repeat=5, repeat_fast=9, budget=0.6, max_call=0.4, max_wait=1.0,
+                  wait_budget=240.0, retries=1)
+
+
+def _approx_edges(name):
+    from profiler.harness import approx_size
+    return approx_size(name)[1]
 
 
 CONFIGS = {"quick": quick_config, "full": full_config}
@@ -131,6 +150,9 @@ def graph_sizes(prim, config):
         return [{}]
     if names == ("k",):
         return [{"k": k} for k in sorted(config.ks)]
+    if names == ("heads", "k"):
+        return sorted(({"heads": h, "k": h * f} for h in config.heads for f in config.gat_f),
+                      key=lambda s: (s["k"], s["heads"]))
     return [{"heads": h} for h in sorted(config.heads)]
 
 
@@ -142,9 +164,16 @@ def dense_points(prim, config):
     return [{"n": n, "k": k} for n in sorted(config.row_n) for k in sorted(config.row_k)]
 
 
-def point_key(prim, graph, sizes):
-    """The resume key of a point: primitive, graph name (or ``"dense"``), sorted sizes."""
-    return f"{prim}|{graph}|" + ",".join(f"{k}={sizes[k]}" for k in sorted(sizes))
+def point_key(prim, graph, sizes, phase="forward"):
+    """The resume key of a point: primitive, graph name (or ``"dense"``), sorted sizes, and
+    ``|train`` for a training-phase point."""
+    key = f"{prim}|{graph}|" + ",".join(f"{k}={sizes[k]}" for k in sorted(sizes))
+    return key if phase == "forward" else f"{key}|{phase}"
+
+
+def has_phase(prim, phase):
+    """Whether ``prim`` is profiled in ``phase``: a training point needs a gradient to compute."""
+    return phase == "forward" or bool(TRAIN_GRADS.get(prim))
 
 
 def point_bytes(prim, sizes, n_src=0, n_dst=0, e=0):
@@ -156,18 +185,23 @@ def point_bytes(prim, sizes, n_src=0, n_dst=0, e=0):
     if prim == "row_scale":
         return 3 * f * sizes["n"] * sizes["k"]
     index = 48 * e + 16 * (n_src + n_dst)         # two CSRs (int64), int32 copies, edge ids
+    if prim == "gat_aggregate":
+        h, k = sizes["heads"], sizes["k"]
+        return index + 2 * f * k * (n_src + 2 * n_dst) + 6 * f * e * h
     if prim.startswith("spmm"):
         return index + f * sizes["k"] * (n_src + 3 * n_dst) + 2 * f * e
     h = sizes.get("heads", 1)
     return index + 4 * f * e * h + f * h * (n_src + n_dst)
 
 
-def estimate(prim, sizes, n_src=0, n_dst=0, e=0):
-    """Baseline seconds of one call of one implementation (for skipping and for progress)."""
+def estimate(prim, sizes, n_src=0, n_dst=0, e=0, phase="forward"):
+    """Baseline seconds of one call of one implementation (for skipping and for progress); a
+    training call counts a forward per gradient on top."""
     dims = dict(sizes)
     if prim.startswith("spmm") or prim == "row_scale":
         dims.setdefault("n", n_dst)
-    return baseline_seconds(prim, dims, n_src, n_dst, e)
+    t = baseline_seconds(prim, dims, n_src, n_dst, e)
+    return t * (1 + len(TRAIN_GRADS.get(prim, ()))) if phase == "train" else t
 
 
 def available_bytes():
@@ -187,6 +221,15 @@ def graph_inputs(prim, gi, sizes, seed=0):
     """Arguments after ``gi`` of a call of ``prim`` on ``gi`` with ``sizes`` (no grad)."""
     gen_ = torch.Generator().manual_seed(seed)
     n_src, n_dst, e = gi.num_src, gi.num_dst, gi.num_edges
+    if prim == "spmm_norm":
+        x = torch.randn(n_src, sizes["k"], generator=gen_)
+        d_dst = gi.in_degrees().clamp(min=1).pow(-0.5)
+        d_src = gi.out_degrees().clamp(min=1).pow(-0.5)
+        return (d_dst, d_src, x)
+    if prim == "gat_aggregate":
+        h, k = sizes["heads"], sizes["k"]
+        return (torch.randn(n_src, h, 1, generator=gen_), torch.randn(n_dst, h, 1, generator=gen_),
+                torch.randn(n_src, h, k // h, generator=gen_), 0.2)
     if prim.startswith("spmm"):
         x = torch.randn(n_src, sizes["k"], generator=gen_)
         if prim == "spmm_weighted":
@@ -217,17 +260,39 @@ def dense_inputs(prim, sizes, seed=0):
             torch.randn(sizes["n"], sizes["k"], generator=gen_))
 
 
-def runners(prim, gi, sizes, impls):
-    """``{impl: zero-argument callable}`` running ``prim`` by each implementation on one input."""
-    if gi is None:
-        args = dense_inputs(prim, sizes)
-        return {i: (lambda fn=kernels.get(prim, i): fn(*args)) for i in impls}
-    args = graph_inputs(prim, gi, sizes)
-    return {i: (lambda fn=kernels.get(prim, i): fn(gi, *args)) for i in impls}
+def runners(prim, gi, sizes, impls, phase="forward"):
+    """``{impl: zero-argument callable}`` running ``prim`` by each implementation on one input.
+
+    In the ``"train"`` phase a call is the forward with autograd and the backward of the
+    operands ``TRAIN_GRADS[prim]`` (``torch.autograd.grad`` with a fixed random output gradient,
+    so nothing accumulates between calls)."""
+    args = dense_inputs(prim, sizes) if gi is None else graph_inputs(prim, gi, sizes)
+    lead = () if gi is None else (gi,)
+    if phase == "forward":
+        return {i: (lambda fn=kernels.get(prim, i): fn(*lead, *args)) for i in impls}
+    args = list(args)
+    grads = TRAIN_GRADS[prim]
+    for p in grads:
+        args[p] = args[p].detach().clone().requires_grad_(True)
+    wrt = [args[p] for p in grads]
+    out = {}
+    for i in impls:
+        fn = kernels.get(prim, i)
+        with torch.no_grad():
+            shape = fn(*lead, *args).shape
+        dy = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+
+        def run(fn=fn, dy=dy):
+            with torch.enable_grad():
+                y = fn(*lead, *args)
+                return torch.autograd.grad(y, wrt, dy)
+        out[i] = run
+    return out
 
 
 def registered(prims):
-    """``[(prim, [impls])]`` of the primitives in ``prims`` that the kernel registry has."""
+    """``[(prim, [impls])]`` of the primitives in ``prims`` that the kernel registry has (every
+    implementation registered, the native ones included when the extension is built)."""
     return [(p, kernels.implementations(p)) for p in prims
             if p in kernels.REGISTRY and p in MODEL_SIZES]
 

@@ -1,6 +1,7 @@
-"""Training: one XGBoost regressor per (primitive, implementation) from a profiling run's records.
+"""Training: one XGBoost regressor per (primitive, implementation, phase) from a profiling run's
+records: phase "forward" (one call without autograd) and "train" (forward and backward).
 
-Target ``log(median seconds)`` with base margin ``log(baseline seconds)`` (``granii.learned``);
+Target ``log(seconds)`` (``target_seconds``: the lower quartile of a point's rounds) with base margin ``log(baseline seconds)`` (``granii.learned``);
 features ``granii.learned.model_features``, computed for the recorded graphs from their stored
 graph features so training and prediction share one code path. Scores: the points are split by
 graph (``GroupShuffleSplit``, a quarter of the graphs held out; for the dense primitives by ``m``
@@ -13,13 +14,14 @@ import datetime
 import json
 import math
 import shutil
+import statistics
 from pathlib import Path
 
 import numpy as np
 
 from granii.featurize import FEATURE_NAMES
 from granii.learned import (BASELINE, FORMAT, MANIFEST, MODEL_SIZES, model_feature_names,
-                            model_file, model_inputs)
+                            model_file, model_inputs, model_key)
 from granii.fingerprint import fingerprint_id
 from granii.graph import GraphInfo
 from profiler import generators as gen
@@ -80,12 +82,17 @@ def _group(r):
     return f"m={s['m']}" if "m" in s else f"n={s['n']}"
 
 
-def usable(records, prim, impl):
+def phase_of(r):
+    return r.get("phase", "forward")
+
+
+def usable(records, prim, impl, phase="forward"):
     """The points of one (primitive, implementation) to train on, and how many of them were
     measured while the machine was contended or whose rounds disagree (``harness.unsettled``):
     those are left out unless fewer than 8 points remain (a time taken while another process
     held a core can be 100 times the kernel's)."""
-    rows = sorted((r for r in records if r["prim"] == prim and r["impl"] == impl),
+    rows = sorted((r for r in records if r["prim"] == prim and r["impl"] == impl
+                   and phase_of(r) == phase),
                   key=lambda r: r["key"])
     clean = [r for r in rows if not unsettled(r)]
     if len(clean) >= 8:
@@ -93,17 +100,29 @@ def usable(records, prim, impl):
     return rows, len(rows) - len(clean)
 
 
-def dataset(records, views, prim, impl):
-    """``(X, y, margin, groups)`` of one (primitive, implementation): features, log seconds,
-    log baseline seconds, and the group (graph) of each point (see ``usable``)."""
-    rows, _ = usable(records, prim, impl)
+def target_seconds(r):
+    """What a model learns from a record: the lower quartile of its rounds (the fastest with
+    fewer than 4). A round is the kernel's time plus any wait for a core another process held;
+    waits only add, so the lower rounds are the kernel's."""
+    samples = sorted(r.get("samples") or [])
+    if not samples:
+        return r["median"]
+    if len(samples) < 4:
+        return samples[0]
+    return max(statistics.quantiles(samples, n=4)[0], 1e-9)
+
+
+def dataset(records, views, prim, impl, phase="forward"):
+    """``(X, y, margin, groups)`` of one (primitive, implementation, phase): features, log
+    seconds, log baseline seconds, and the group (graph) of each point (see ``usable``)."""
+    rows, _ = usable(records, prim, impl, phase)
     X, y, margin, groups = [], [], [], []
     for r in rows:
         gi = None if r["graph"] == DENSE else views[r["graph"]]
-        x, m = model_inputs(prim, gi, dict(r["sizes"]))
+        x, m = model_inputs(prim, gi, dict(r["sizes"]), phase)
         X.append(x)
         margin.append(m)
-        y.append(math.log(r["median"]))
+        y.append(math.log(target_seconds(r)))
         groups.append(_group(r))
     return np.vstack(X), np.array(y), np.array(margin), np.array(groups)
 
@@ -151,37 +170,40 @@ def train_one(X, y, margin, groups, params=None):
     return booster, scores(predict_log(booster, X, margin), y), val
 
 
-def train(run_dir, out_dir, fingerprint, params=None, run_info=None, log=print):
-    """Train every (primitive, implementation) with measured points in ``run_dir`` and write the
-    models and ``manifest.json`` to ``out_dir`` (replaced as a whole at the end). Returns the
+def train(run_dir, out_dir, fingerprint, params=None, run_info=None, log=print, calibration=None):
+    """Train every (primitive, implementation, phase) with measured points in ``run_dir`` and
+    write the models and ``manifest.json`` to ``out_dir`` (replaced as a whole at the end), with
+    the machine's ``calibration`` (``granii.calibration.this_machine``) when given. Returns the
     manifest."""
     records = ok_records(run_dir)
     if not records:
         raise RuntimeError(f"granii: no measured points in {run_dir}: run the profiler first")
     names = sorted({r["graph"] for r in records if r["graph"] != DENSE})
     views = graph_views(run_dir, names, log)
-    pairs = sorted({(r["prim"], r["impl"]) for r in records if r["prim"] in MODEL_SIZES})
+    pairs = sorted({(r["prim"], r["impl"], phase_of(r)) for r in records
+                    if r["prim"] in MODEL_SIZES})
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     params = dict(params or PARAMS)
     models = {}
-    for prim, impl in pairs:
-        X, y, margin, groups = dataset(records, views, prim, impl)
+    for prim, impl, phase in pairs:
+        X, y, margin, groups = dataset(records, views, prim, impl, phase)
         booster, tr, val = train_one(X, y, margin, groups, params)
-        fname = model_file(prim, impl)
+        fname = model_file(prim, impl, phase)
         booster.save_model(str(tmp / fname))
-        models[f"{prim}/{impl}"] = {
+        key = model_key(prim, impl, phase)
+        models[key] = {
             "file": fname, "features": model_feature_names(prim),
             "sizes": list(MODEL_SIZES[prim][1]), "baseline": BASELINE,
             "points": int(len(y)), "graphs": int(len(set(groups))),
-            "contended_points": usable(records, prim, impl)[1],
+            "phase": phase, "contended_points": usable(records, prim, impl, phase)[1],
             "train": tr, "validation": val,
         }
         v = f"MAPE {val['mape']:.1%}, Spearman {val['spearman']:.3f}" if val and \
             val["spearman"] is not None else "no held-out graphs"
-        log(f"  {prim + '/' + impl:<26} {len(y):>5} points  train MAPE {tr['mape']:.1%}  "
+        log(f"  {key:<32} {len(y):>5} points  train MAPE {tr['mape']:.1%}  "
             f"held-out: {v}")
     manifest = {
         "format": FORMAT,
@@ -197,6 +219,7 @@ def train(run_dir, out_dir, fingerprint, params=None, run_info=None, log=print):
         "holdout": {"by": "graph (dense: m or n)", "fraction": HOLDOUT, "seed": 0},
         "training_points": int(sum(m["points"] for m in models.values())),
         "run": run_info or {},
+        "calibration": calibration,
         "models": models,
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")

@@ -6,10 +6,16 @@
 
 Profiles (``profiler.harness``) into ``profiler/runs/<fingerprint id>/``, resuming an interrupted
 run by default, then trains one model per (primitive, implementation) (``profiler.train``) into
-``<out>/<fingerprint id>/`` and checks that the result loads. ``--quick`` takes a few minutes,
-the full run about 30-60 minutes; the full run reuses the points a quick run measured.
+``<out>/<fingerprint id>/`` and checks that the result loads. Each primitive is profiled in two
+phases: the forward alone and the forward with its backward (the gradients a training step
+needs). The machine's calibration (``granii.calibration``, a few seconds) is measured too and
+stored in the manifest, so the models can be carried to other machines. ``--quick`` takes at
+most 3 minutes, the full run about an hour; the full run reuses the points a quick run measured.
+The manifest records how loaded the machine was (points measured while other processes held the
+cores, load averages).
 """
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,9 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from granii import calibration  # noqa: E402
 from granii.fingerprint import fingerprint_id, machine_fingerprint  # noqa: E402
 from granii.learned import DEFAULT_DIR, load  # noqa: E402
-from profiler.harness import profile  # noqa: E402
+from profiler.harness import POINTS, profile, read_jsonl  # noqa: E402
 from profiler.points import CONFIGS  # noqa: E402
 from profiler.timing import fix_threads  # noqa: E402
 from profiler.train import train  # noqa: E402
@@ -42,7 +49,27 @@ def parse_args(argv=None):
     ap.add_argument("--train-only", action="store_true",
                     help="skip profiling: train from the records already there")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="stop profiling after this many minutes and train on what is measured "
+                         "(default: 1.65 with --quick, so that profiling, calibration and "
+                         "training take at most 3 minutes; none otherwise)")
     return ap.parse_args(argv)
+
+
+def load_note(run_dir):
+    """How loaded the machine was while the records of ``run_dir`` were measured."""
+    recs = [r for r in read_jsonl(run_dir / POINTS) if r.get("status") == "ok"]
+    contended = sum(1 for r in recs if r.get("contended"))
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {"ok_records": len(recs), "contended_records": contended,
+            "contended_share": round(contended / len(recs), 3) if recs else None,
+            "loadavg_at_end": load,
+            "note": ("measured while other processes used the cores: contended points were "
+                     "measured again once after waiting, the rest left out of training where "
+                     "enough clean points remained") if contended else "measured on a quiet machine"}
 
 
 def main(argv=None):
@@ -56,15 +83,25 @@ def main(argv=None):
           f"torch {fp['torch']}, dgl {fp['dgl']}, xgboost {fp['xgboost']}")
     t0 = time.perf_counter()
     summary = None
+    limit = args.time_limit if args.time_limit is not None else (1.65 if args.quick else None)
     if not args.train_only:
         summary = profile(config, run_dir, threads, resume=args.resume,
-                          progress=not args.no_progress, retry_contended=args.retry_contended)
+                          progress=not args.no_progress, retry_contended=args.retry_contended,
+                          time_limit=None if limit is None else 60 * limit)
+    cal = calibration.this_machine(fp, refresh=not args.train_only)
+    print(f"granii: calibration ({cal['seconds']:.1f} s): " + ", ".join(
+        f"{k} {v * 1e3:.2f} ms" for k, v in cal["times"].items()))
     print("granii: training the cost models (log seconds, one XGBoost model per "
           "primitive/implementation):")
     run_info = {"mode": config.name, "profile_seconds": round(summary["seconds"], 1)
-                if summary else None, "counts": summary["counts"] if summary else None}
+                if summary else None, "counts": summary["counts"] if summary else None,
+                "stopped_early": summary.get("stopped_early") if summary else None,
+                "load": load_note(run_dir)}
     out = args.out / fid
-    manifest = train(run_dir, out, fp, run_info=run_info)
+    from profiler.train import PARAMS
+    manifest = train(run_dir, out, fp, run_info=run_info,
+                     params=dict(PARAMS, n_estimators=config.trees),
+                     calibration={k: cal[k] for k in ("times", "seconds", "measured_at")})
     load(out, fp)
     size = sum(p.stat().st_size for p in out.iterdir())
     print(f"granii: {len(manifest['models'])} models from {manifest['training_points']} points "

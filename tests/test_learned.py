@@ -25,17 +25,29 @@ from profiler.train import train
 GRAPH_NAMES = ["uniform:n=300,m=2400,seed=1,undirected=0", "grid2d:rows=12,cols=15",
                "rmat:scale=8,edge_factor=8,a=0.57,b=0.19,c=0.19,seed=2,undirected=1",
                "community:n=400,blocks=4,degree=8.0,mix=0.8,seed=3,permute=0"]
-SPEED = {"dgl": 1.0, "torch_csr": 1.7, "torch": 1.2}
+SPEED = {"dgl": 1.0, "torch_csr": 1.7, "torch": 1.2, "native": 0.6}
+BACKWARD = {"dgl": 3.0, "torch_csr": 2.0, "native": 1.5}    # train / forward in the fake times
 
 
-def _fake_seconds(prim, impl, gi, sizes):
-    """A smooth made-up time: the baseline times an implementation factor and a size effect."""
+def _fake_seconds(prim, impl, gi, sizes, phase="forward"):
+    """A smooth made-up time: the baseline times an implementation factor and a size effect
+    (a training call: times ``BACKWARD[impl]``)."""
     dims = dict(sizes)
     if prim.startswith("spmm"):
         dims["n"] = gi.num_dst
     base = learned.baseline_seconds(prim, dims, gi.num_src, gi.num_dst, gi.num_edges) \
         if gi is not None else learned.baseline_seconds(prim, dims)
-    return base * SPEED[impl] * (1 + 0.1 * math.log2(sizes.get("k", 2)))
+    t = base * SPEED[impl] * (1 + 0.1 * math.log2(sizes.get("k", 2)))
+    return t * BACKWARD.get(impl, 2.0) if phase == "train" else t
+
+
+GRAPH_POINTS = [
+    ("spmm", ("dgl", "torch_csr"), [{"k": k} for k in (16, 32, 64, 128)], ("forward", "train")),
+    ("sddmm_scale", ("dgl", "torch"), [{}], ("forward",)),
+    ("spmm_norm", ("native", "dgl"), [{"k": k} for k in (16, 64, 256)], ("forward", "train")),
+    ("gat_aggregate", ("native", "dgl"), [{"heads": h, "k": h * f} for h in (1, 4)
+                                          for f in (8, 32)], ("forward",)),
+]
 
 
 def write_synthetic_run(run_dir):
@@ -45,13 +57,15 @@ def write_synthetic_run(run_dir):
         g = gen.build(name)
         gi = GraphInfo(g)
         _append(run_dir / GRAPHS, [graph_record(name, gi)])
-        for prim, impls in (("spmm", ("dgl", "torch_csr")), ("sddmm_scale", ("dgl", "torch"))):
-            for sizes in ([{"k": k} for k in (16, 32, 64, 128)] if prim == "spmm" else [{}]):
+        for prim, impls, series, phases in GRAPH_POINTS:
+            for sizes in series:
                 for impl in impls:
-                    rows.append({"key": point_key(prim, name, sizes), "prim": prim, "impl": impl,
-                                 "graph": name, "sizes": sizes, "num_src": gi.num_src,
-                                 "num_dst": gi.num_dst, "num_edges": gi.num_edges,
-                                 "status": "ok", "median": _fake_seconds(prim, impl, gi, sizes)})
+                    for phase in phases:
+                        rows.append({"key": point_key(prim, name, sizes, phase), "prim": prim,
+                                     "impl": impl, "phase": phase, "graph": name, "sizes": sizes,
+                                     "num_src": gi.num_src, "num_dst": gi.num_dst,
+                                     "num_edges": gi.num_edges, "status": "ok",
+                                     "median": _fake_seconds(prim, impl, gi, sizes, phase)})
     for m in (64, 256, 1024, 4096):
         for k in (16, 64, 256):
             for n in (16, 64, 256):
@@ -206,15 +220,49 @@ def test_missing_or_broken_manifest_is_refused(copy_dir, tmp_path):
         load(copy_dir)
 
 
-def test_default_cost_model_warns_once_and_falls_back(tmp_path, monkeypatch):
+@pytest.fixture
+def fake_calibration(monkeypatch, tmp_path):
+    """This machine's calibration measured as ``here`` (no timing), cached under ``tmp_path``;
+    ``calls`` counts the measurements."""
+    from granii import calibration
+    here = {"stream": 2e-3, "gemm": 4e-3, "sparse": 6e-3, "small": 1e-4}
+    calls = []
+
+    def measure(repeat=7):
+        calls.append(1)
+        return dict(here)
+    monkeypatch.setattr(calibration, "measure", measure)
+    monkeypatch.setenv("GRANII_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(learned, "_WARNED", set())
     monkeypatch.setattr(learned, "_LOADED", {})
+    return here, calls
+
+
+def _as_foreign(copy_dir, times=None):
+    """Make the copied folder look trained on another processor (with reference times)."""
+    manifest = json.loads((copy_dir / "manifest.json").read_text())
+    manifest["fingerprint"]["cpu_model"] = "Some Other CPU"
+    manifest["fingerprint_id"] = "0123456789ab"
+    if times is not None:
+        manifest["calibration"] = {"times": times}
+    (copy_dir / "manifest.json").write_text(json.dumps(manifest))
+    target = copy_dir.parent / "0123456789ab"
+    copy_dir.rename(target)
+    return target
+
+
+def test_default_cost_model_warns_once_and_falls_back(tmp_path, fake_calibration):
+    here, _ = fake_calibration
     with pytest.warns(learned.CostModelWarning, match="scripts/init.sh"):
         model = learned.default_cost_model(tmp_path)
-    assert isinstance(model, AnalyticalCost)
+    assert isinstance(model, AnalyticalCost) and "calibrated" in model.name
+    # the rates come from this machine's calibration: a slower GEMM reference, a slower GEMM
+    from granii.calibration import REFERENCE
+    s = REFERENCE["gemm"][3]
+    assert model.flop_rate == pytest.approx(2 * s["m"] * s["k"] * s["n"] / here["gemm"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert isinstance(learned.default_cost_model(tmp_path), AnalyticalCost)
+        assert learned.default_cost_model(tmp_path) is model
 
 
 def test_default_cost_model_loads_this_machines_models(model_dir, monkeypatch):
@@ -225,12 +273,177 @@ def test_default_cost_model_loads_this_machines_models(model_dir, monkeypatch):
     assert learned.default_cost_model(model_dir.parent) is model
 
 
-def test_default_cost_model_refuses_a_damaged_folder_with_a_warning(copy_dir, monkeypatch):
-    monkeypatch.setattr(learned, "_WARNED", set())
-    monkeypatch.setattr(learned, "_LOADED", {})
+def test_default_cost_model_refuses_a_damaged_folder_with_a_warning(copy_dir, fake_calibration):
     (copy_dir / "spmm__dgl.json").write_text("garbage")
     with pytest.warns(learned.CostModelWarning, match="spmm__dgl.json"):
         assert isinstance(learned.default_cost_model(copy_dir.parent), AnalyticalCost)
+
+
+def test_foreign_models_are_used_with_this_machines_calibration(copy_dir, fake_calibration):
+    """On a machine without its own models, the shipped ones of another machine price calls,
+    rescaled by the ratio of the two calibrations; said once."""
+    here, calls = fake_calibration
+    theirs = {k: v / 2 for k, v in here.items()}          # this machine: twice as slow
+    folder = _as_foreign(copy_dir, theirs)
+    with pytest.warns(learned.CostModelWarning, match="rescaled by a calibration"):
+        model = learned.default_cost_model(folder.parent)
+    assert isinstance(model, LearnedCost) and model.transfer is not None
+    assert "transferred" in model.name and calls == [1]
+    plain = load(folder, check=False)
+    gi = _info()
+    for prim, impl, dims in [("spmm", "dgl", {"n": gi.num_dst, "k": 64}),
+                             ("gemm", "torch", {"m": 500, "k": 64, "n": 32}),
+                             ("spmm_norm", "native", {"n": gi.num_dst, "k": 64})]:
+        assert model.predict(prim, impl, gi, dims) == pytest.approx(
+            2 * plain.predict(prim, impl, gi, dims), rel=1e-9)
+    # the calibration is measured once per machine and read back from the cache
+    learned._LOADED.clear()
+    learned.default_cost_model(folder.parent).predict("spmm", "dgl", gi, {"n": 9, "k": 8})
+    assert calls == [1]
+
+
+def test_foreign_models_without_a_calibration_derive_it_from_their_predictions(
+        copy_dir, fake_calibration):
+    from granii import calibration
+    folder = _as_foreign(copy_dir)                         # an older folder: no calibration
+    with pytest.warns(learned.CostModelWarning):
+        model = learned.default_cost_model(folder.parent)
+    theirs = learned.model_calibration(load(folder, check=False))
+    assert set(theirs) == {"gemm", "sparse", "small"}      # row_scale/torch has no model here
+    assert theirs == calibration.predicted(load(folder, check=False))
+    here, _ = fake_calibration
+    assert model.transfer.ratio("gemm") == pytest.approx(here["gemm"] / theirs["gemm"])
+
+
+def test_transfer_scales_small_calls_by_the_small_reference_and_large_by_their_class():
+    from granii.calibration import Transfer
+    t = Transfer({"small": 1e-4, "sparse": 1e-2, "gemm": 1e-2, "stream": 1e-2},
+                 {"small": 3e-4, "sparse": 2e-2, "gemm": 5e-3, "stream": 1e-2})
+    assert t.scale("spmm", 1e-5) == pytest.approx(3e-5)          # below the small reference
+    assert t.scale("spmm", 1.0) == pytest.approx(2.0)            # above the class reference
+    assert t.scale("gemm", 1.0) == pytest.approx(0.5)
+    mid = t.scale("spmm", 1e-3)                                  # halfway in log time
+    assert mid == pytest.approx(1e-3 * math.sqrt(3 * 2))
+    assert t.scale("gat_aggregate", 1.0) == pytest.approx(2.0)   # sparse class
+
+
+def test_models_of_this_machine_are_preferred_and_need_no_calibration(copy_dir, fake_calibration):
+    _, calls = fake_calibration
+    foreign = copy_dir.parent / "0123456789ab"
+    shutil.copytree(copy_dir, foreign)
+    model = learned.default_cost_model(copy_dir.parent)
+    assert model.path == copy_dir and model.transfer is None
+    gi = _info()
+    model.predict("spmm", "dgl", gi, {"n": gi.num_dst, "k": 32})
+    assert calls == []
+
+
+def test_a_pair_without_a_model_falls_back_with_one_warning_naming_it(model_dir, monkeypatch):
+    monkeypatch.setattr(learned, "_WARNED", set())
+    lc = load(model_dir)
+    gi = _info()
+    dims = {"n": gi.num_dst, "k": 16}
+    with pytest.warns(learned.CostModelWarning, match="spmm_max/dgl") as rec:
+        t = lc.predict("spmm_max", "dgl", gi, dims)
+        lc.predict("spmm_max", "dgl", gi, dict(dims, k=32))
+    assert len([w for w in rec if "spmm_max/dgl" in str(w.message)]) == 1
+    assert t == AnalyticalCost().predict("spmm_max", "dgl", gi, dims)
+    assert lc.pricer("spmm_max", "dgl") == "analytical"
+    assert lc.pricer("spmm", "dgl") == lc.name
+
+
+def test_new_primitives_are_priced_by_their_models(model_dir):
+    """The fused normalised SpMM (dims like spmm's) and the fused GAT aggregation (heads and
+    k = heads x F) have models; they grow with k and tell their implementations apart."""
+    from granii.costmodel import concrete_dims
+    lc = load(model_dir)
+    gi = _info()
+    assert lc.has_model("spmm_norm", "native") and lc.has_model("gat_aggregate", "native")
+    dims = concrete_dims(("spmm_norm", False, ("E", "k_in")),
+                         {"N": gi.num_dst, "E": gi.num_edges, "k_in": 64})
+    assert dims == {"n": gi.num_dst, "k": 64}
+    assert lc.predict("spmm_norm", "native", gi, dims) < lc.predict("spmm_norm", "dgl", gi, dims)
+    gdims = concrete_dims(("gat_aggregate", False, ("E", "H", "k_out")),
+                          {"N": gi.num_dst, "E": gi.num_edges, "H": 4, "k_out": 128})
+    assert gdims == {"heads": 4, "k": 128}
+    small = lc.predict("gat_aggregate", "native", gi, {"heads": 4, "k": 32})
+    big = lc.predict("gat_aggregate", "native", gi, gdims)
+    assert 0 < small < big
+    assert big < lc.predict("gat_aggregate", "dgl", gi, gdims)
+    # the analytical model prices them too (a pair without a model)
+    assert AnalyticalCost().predict("gat_aggregate", "native", gi, gdims) > \
+        AnalyticalCost().predict("gat_aggregate", "native", gi, {"heads": 4, "k": 32})
+
+
+def test_training_models_load_and_predict_forward_plus_backward(model_dir):
+    lc = load(model_dir)
+    gi = _info()
+    dims = {"n": gi.num_dst, "k": 64}
+    assert lc.has_model("spmm", "dgl", "train") and not lc.has_model("gat_aggregate", "dgl",
+                                                                     "train")
+    f, b = lc.predict("spmm", "dgl", gi, dims), lc.predict_train("spmm", "dgl", gi, dims)
+    assert b > 1.5 * f                         # the fake backward triples the time
+    assert lc.predict_train("gat_aggregate", "dgl", gi, {"heads": 1, "k": 8}) is None
+
+
+class _Fixed:
+    """A cost model with set forward and training times, counting its calls."""
+    name = "fixed"
+
+    def __init__(self, fwd, train):
+        self.fwd, self.train, self.calls = fwd, train, []
+
+    def predict(self, prim, impl, gi, dims):
+        self.calls.append(("forward", prim, impl))
+        return self.fwd[impl]
+
+    def predict_train(self, prim, impl, gi, dims):
+        self.calls.append(("train", prim, impl))
+        return self.train.get(impl)
+
+
+def test_training_price_uses_the_measured_backward():
+    from granii.select import step_seconds
+    m = _Fixed({"a": 1.0, "b": 1.0}, {"a": 5.0})
+    # spmm: the feature gradient is the one profiled: forward + backward as measured
+    assert step_seconds(m, "spmm", "a", None, {}, needed=(0,)) == 5.0
+    # no training model for b: one more forward per gradient
+    assert step_seconds(m, "spmm", "b", None, {}, needed=(0,)) == 2.0
+    # gemm profiles both gradients; one of them needed: half the measured backward
+    assert step_seconds(m, "gemm", "a", None, {}, needed=(1,)) == pytest.approx(1 + 4 / 2)
+    assert step_seconds(m, "spmm", "a", None, {}, needed=()) == 1.0
+    assert ("train", "spmm", "a") in m.calls
+
+
+def test_training_selection_follows_the_backward_models(model_dir):
+    """Two implementations alike in the forward but not in the backward: training picks the one
+    whose measured backward is cheaper, inference does not care."""
+    from dgl.nn import GraphConv
+
+    from granii.dispatch import new_state, prepare
+    from granii.plan import EVERY
+    from granii.select import rank
+    g = gen.build("uniform:n=500,m=4000,seed=7,undirected=0")
+    layer = GraphConv(32, 16, norm="both", allow_zero_in_degree=True)
+    with torch.no_grad():
+        call = prepare(new_state(layer, "conv"), layer, (g, torch.randn(g.num_nodes(), 32)), {})
+    lc = load(model_dir)
+
+    class Skewed:
+        name = "skewed"
+
+        def predict(self, prim, impl, gi, dims):
+            return lc.predict(prim, impl, gi, dims) if prim == "gemm" else 1e-3
+
+        def predict_train(self, prim, impl, gi, dims):
+            if prim == "gemm":
+                return lc.predict_train(prim, impl, gi, dims)
+            return 1e-3 + (1.0 if impl == "dgl" else 1e-3)
+    best_train = rank(call.compiled.plans, call.gi, call.symbols, Skewed(), training=True,
+                      input_grad=True)[0]
+    sparse = [i for s, i in zip(best_train.plan.steps, best_train.impls)
+              if s.prim.startswith("spmm") and s.when == EVERY]
+    assert sparse and "dgl" not in sparse
 
 
 def test_fingerprint_is_stable_and_thread_specific():

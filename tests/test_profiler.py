@@ -2,10 +2,11 @@
 import json
 
 import pytest
+import torch
 
 from granii.fingerprint import machine_fingerprint
 from granii.graph import GraphInfo
-from granii.learned import LearnedCost, load
+from granii.learned import TRAIN_GRADS, LearnedCost, load
 from profiler import generators as gen
 from profiler import points as pts
 from profiler import harness
@@ -13,12 +14,14 @@ from profiler.harness import POINTS, approx_size, done_keys, read_jsonl
 from profiler.train import train
 
 GRAPHS = ["uniform:n=200,m=800,seed=0,undirected=0", "grid2d:rows=10,cols=12"]
+SPMM_IMPLS = [i for p, i in pts.registered(["spmm"])][0]
+N_SPMM = len(SPMM_IMPLS)
 
 
 def tiny(**kw):
     cfg = dict(graphs=GRAPHS, ks=[16, 32], heads=[1], prims=["spmm", "gemm"], blocks_every=0,
                gemm_m=[64, 128], gemm_kn=[16, 32], warmup=1, repeat=2, repeat_fast=2,
-               budget=0.05, max_wait=0.0, wait_budget=0.0)
+               budget=0.05, max_wait=0.0, wait_budget=0.0, phases=("forward",), retries=0)
     cfg.update(kw)
     return pts.Config("tiny", **cfg)
 
@@ -41,15 +44,15 @@ def test_end_to_end_produces_a_loadable_model(tmp_path):
     run = tmp_path / "run"
     summary = profile(tiny(), run, progress=False, log=_quiet)
     recs = _points(run)
-    # 2 graphs x 2 sizes x 2 spmm impls + 2 x 2 x 2 gemm points
-    assert len(recs) == 2 * 2 * 2 + 8
+    # 2 graphs x 2 sizes x every spmm impl + 2 x 2 x 2 gemm points
+    assert len(recs) == 2 * 2 * N_SPMM + 8
     assert {r["status"] for r in recs} == {"ok"}
     assert all(r["median"] > 0 and len(r["samples"]) >= 2 and "iqr" in r for r in recs)
     assert summary["counts"]["spmm"]["ok"] == 4
     fp = machine_fingerprint()
     out = tmp_path / "models" / "this"
     manifest = train(run, out, fp, log=_quiet)
-    assert set(manifest["models"]) == {"spmm/dgl", "spmm/torch_csr", "gemm/torch"}
+    assert set(manifest["models"]) == {f"spmm/{i}" for i in SPMM_IMPLS} | {"gemm/torch"}
     assert manifest["training_points"] == len(recs)
     entry = manifest["models"]["spmm/dgl"]
     assert entry["validation"] is not None and entry["train"]["mape"] >= 0
@@ -67,7 +70,7 @@ def test_resume_skips_finished_points(tmp_path):
     again = profile(tiny(), run, progress=False, log=_quiet)
     assert len(_points(run)) == len(first)
     assert sum(c.get("ok", 0) for c in again["counts"].values()) == 0
-    assert sum(c.get("resumed", 0) for c in again["counts"].values()) == len(first) // 2 + 4
+    assert sum(c.get("resumed", 0) for c in again["counts"].values()) == 2 * 2 + 8
 
     # an interruption: the last point's lines lost, and half a line written
     lines = (run / POINTS).read_text().splitlines(keepends=True)
@@ -155,20 +158,103 @@ def test_configs_cover_the_registry():
     assert len(quick.graphs) < len(full.graphs)
     prims = {p for p, _ in pts.registered(full.prims)}
     assert {"gemm", "row_scale", "spmm", "spmm_weighted", "sddmm_scale"} <= prims
-    assert max(full.ks) == 2048 and min(full.ks) == 16
+    assert max(full.ks) == 1024 and min(full.ks) == 16 and full.phases == ("forward", "train")
     for name, _ in pts.graph_jobs(quick):
         nodes, edges = approx_size(name)
         assert nodes > 0 and edges > 0
 
 
-@pytest.mark.parametrize("prim", ["spmm", "spmm_weighted", "sddmm_scale", "sddmm_add",
-                                  "edge_softmax", "spmm_mean", "spmm_max"])
+ALL_GRAPH_PRIMS = ["spmm", "spmm_weighted", "sddmm_scale", "sddmm_add", "edge_softmax",
+                   "spmm_mean", "spmm_max", "spmm_norm", "gat_aggregate"]
+
+
+@pytest.mark.parametrize("prim", ALL_GRAPH_PRIMS)
 def test_inputs_run_every_implementation(prim):
     g = gen.build(GRAPHS[0])
     gi = GraphInfo(g)
-    sizes = pts.graph_sizes(prim, tiny(ks=[8], heads=[2]))[0]
+    sizes = pts.graph_sizes(prim, tiny(ks=[8], heads=[2], gat_f=[4]))[0]
     impls = [i for p, i in pts.registered([prim])][0]
     outs = {i: fn() for i, fn in pts.runners(prim, gi, sizes, impls).items()}
     first = next(iter(outs.values()))
     for out in outs.values():
         assert out.shape == first.shape
+        torch.testing.assert_close(out, first, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("prim", [p for p in ALL_GRAPH_PRIMS if TRAIN_GRADS[p]] + ["gemm"])
+def test_training_calls_return_the_gradients_the_step_needs(prim):
+    """A training-phase call is the forward and the backward of the operands TRAIN_GRADS names;
+    every implementation gives the same gradients (those whose backward fails are reported by
+    the harness as errors and left out, see test_a_failing_implementation_...)."""
+    g = gen.build(GRAPHS[0])
+    gi = None if prim == "gemm" else GraphInfo(g)
+    sizes = ({"m": 50, "k": 8, "n": 4} if prim == "gemm" else
+             pts.graph_sizes(prim, tiny(ks=[8], heads=[2], gat_f=[4]))[0])
+    impls = [i for p, i in pts.registered([prim])][0]
+    fns = pts.runners(prim, gi, sizes, impls, phase="train")
+    grads = {}
+    for i, fn in fns.items():
+        try:
+            grads[i] = fn()
+        except RuntimeError:
+            continue
+    assert grads, "no implementation computes the backward"
+    first = next(iter(grads.values()))
+    assert len(first) == len(TRAIN_GRADS[prim])
+    for gs in grads.values():
+        for a, b in zip(gs, first):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_training_phase_is_profiled_and_trained(tmp_path):
+    run = tmp_path / "run"
+    summary = profile(tiny(phases=("forward", "train"), prims=["spmm", "gemm", "sddmm_scale"]),
+                      run, progress=False, log=_quiet)
+    recs = _points(run)
+    train_recs = [r for r in recs if r["phase"] == "train"]
+    assert train_recs and all(r["key"].endswith("|train") for r in train_recs)
+    # sddmm_scale has no operand needing a gradient: no training points
+    assert {r["prim"] for r in train_recs} == {"spmm", "gemm"}
+    assert summary["counts"]["spmm/train"]["ok"] == 4
+    manifest = train(run, tmp_path / "models", machine_fingerprint(), log=_quiet)
+    assert {"spmm/dgl/train", "gemm/torch/train", "spmm/dgl"} <= set(manifest["models"])
+    assert "sddmm_scale/dgl/train" not in manifest["models"]
+    model = load(tmp_path / "models", machine_fingerprint())
+    assert model.has_model("spmm", "dgl", "train") and model.has_model("gemm", "torch", "train")
+    g = gen.build(GRAPHS[0])
+    gi = GraphInfo(g)
+    assert model.predict_train("spmm", "dgl", gi, {"n": gi.num_dst, "k": 16}) > 0
+    assert model.predict_train("sddmm_scale", "dgl", gi, {}) is None
+
+
+def test_a_failing_implementation_is_recorded_and_the_others_measured(tmp_path, monkeypatch):
+    from granii.kernels import registry
+
+    def broken(gi, x):
+        raise RuntimeError("this kernel is broken")
+    monkeypatch.setitem(registry.REGISTRY["spmm"], "broken", broken)
+    run = tmp_path / "run"
+    profile(tiny(prims=["spmm"], graphs=GRAPHS[:1], ks=[16]), run, progress=False, log=_quiet)
+    by_impl = {r["impl"]: r for r in _points(run)}
+    assert by_impl["broken"]["status"] == "error" and "broken" in by_impl["broken"]["reason"]
+    assert by_impl["dgl"]["status"] == "ok" and by_impl["dgl"]["median"] > 0
+
+
+def test_time_limit_stops_early_and_a_resumed_run_continues(tmp_path):
+    run = tmp_path / "run"
+    summary = profile(tiny(), run, progress=False, log=_quiet, time_limit=0.0)
+    assert summary["stopped_early"] and not _points(run)
+    summary = profile(tiny(), run, progress=False, log=_quiet)
+    assert not summary["stopped_early"] and len(_points(run)) == 2 * 2 * N_SPMM + 8
+
+
+def test_quick_config_profiles_every_registered_pair():
+    quick = pts.quick_config()
+    prims = dict(pts.registered(quick.prims))
+    assert {"spmm_norm", "gat_aggregate"} <= set(prims)
+    from granii import kernels
+    for prim, impls in prims.items():
+        assert impls == kernels.implementations(prim)
+    assert quick.phases == ("forward", "train") and quick.max_wait == 0
+    sizes = pts.graph_sizes("gat_aggregate", quick)
+    assert all(s["k"] % s["heads"] == 0 for s in sizes)

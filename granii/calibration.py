@@ -1,0 +1,207 @@
+"""A short machine calibration that lets cost models trained on one machine price calls on another.
+
+The calibration times four reference calls (a few seconds in all):
+
+    stream   row_scale/torch   n = 2^18 rows, k = 64 (64 MiB in, 64 MiB out)  (memory bandwidth)
+    gemm     gemm/torch        m = 8192, k = 256, n = 256                (GEMM rate)
+    sparse   spmm/dgl          uniform graph, 2^16 nodes, 2^20 edges, k = 64  (SpMM gather rate)
+    small    spmm/dgl          uniform graph, 2,000 nodes, 16,000 edges, k = 32  (a small call:
+                               dispatch overhead and threads waking up)
+
+Transfer. A model trained on machine ``M`` predicts ``t_M(call)``; on this machine ``H`` the call
+is priced as
+
+    log t_H(call) = log t_M(call) + log r(call)
+    log r(call)   = interpolation, in log t_M(call), between log(c_H[small] / c_M[small]) at
+                    t_M = c_M[small] and log(c_H[cls] / c_M[cls]) at t_M = c_M[cls]
+                    (constant beyond either end)
+
+where ``c_X[name]`` is the reference time on machine ``X`` and ``cls`` the class of the primitive
+(``CLASS``: GEMM, streaming row operations, or sparse gathers). In other words the model's target is
+measured in units of the machine's own reference time, so the learned shape (how the cost grows
+with the graph and the sizes, which implementation wins where) carries over and only the scale
+changes. Small calls scale like the small reference, large ones like their class.
+
+The reference times of a model folder are its manifest's ``calibration`` (measured at init), or
+for folders made before calibrations existed, the folder's own models' predictions of the four
+reference calls. This machine's are measured once per fingerprint and cached in
+``$GRANII_CACHE`` (default ``~/.cache/granii``) as ``calibration-<fingerprint id>.json``.
+"""
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+REFERENCE = {
+    "stream": ("row_scale", "torch", None, {"n": 1 << 18, "k": 64}),
+    "gemm": ("gemm", "torch", None, {"m": 8192, "k": 256, "n": 256}),
+    "sparse": ("spmm", "dgl", "uniform:n=65536,m=524288,seed=11,undirected=1", {"k": 64}),
+    "small": ("spmm", "dgl", "uniform:n=2000,m=8000,seed=12,undirected=1", {"k": 32}),
+}
+CLASS = {"gemm": "gemm", "row_scale": "stream", "add": "stream", "cat": "stream",
+         "row_slice": "stream", "diag_mul": "stream"}
+FORMAT = 1
+
+
+def prim_class(prim):
+    """The reference a primitive scales with: ``gemm``, ``stream`` or (every sparse one) ``sparse``."""
+    return CLASS.get(prim, "sparse")
+
+
+def cache_dir():
+    return Path(os.environ.get("GRANII_CACHE", Path.home() / ".cache" / "granii"))
+
+
+class _Graphs(dict):
+    """``{spec: GraphInfo}`` that also holds the graphs (a ``GraphInfo`` refers to its graph
+    weakly)."""
+    keep = ()
+
+
+def _graphs():
+    """``{spec: GraphInfo}`` of the reference graphs (built by the profiler's generators)."""
+    from profiler import generators as gen
+    from .graph import GraphInfo
+    out, keep = _Graphs(), []
+    for _, _, spec, _ in REFERENCE.values():
+        if spec is not None and spec not in out:
+            keep.append(gen.build(spec))
+            out[spec] = GraphInfo(keep[-1])
+    out.keep = keep
+    return out
+
+
+def _dims(prim, gi, sizes):
+    dims = dict(sizes)
+    if prim.startswith("spmm") and gi is not None:
+        dims["n"] = gi.num_dst
+    return dims
+
+
+def measure(repeat=7):
+    """``{name: seconds}``: the fastest of ``repeat`` runs of each reference call (after one
+    warm-up), the calls interleaved. Other processes on the cores only add time (a thread waiting
+    for a core), so the fastest run is the machine's own speed."""
+    import torch
+    from profiler.points import dense_inputs, graph_inputs
+    from . import kernels
+    graphs = _graphs()
+    fns = {}
+    for name, (prim, impl, spec, sizes) in REFERENCE.items():
+        fn = kernels.get(prim, impl)
+        if spec is None:
+            args = dense_inputs(prim, sizes)
+            fns[name] = lambda fn=fn, args=args: fn(*args)
+        else:
+            gi = graphs[spec]
+            args = graph_inputs(prim, gi, sizes)
+            fns[name] = lambda fn=fn, gi=gi, args=args: fn(gi, *args)
+    samples = {k: [] for k in fns}
+    with torch.no_grad():
+        for fn in fns.values():
+            fn()
+        for _ in range(repeat):
+            for k, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                samples[k].append(time.perf_counter() - t0)
+    return {k: min(v) for k, v in samples.items()}
+
+
+def predicted(model):
+    """``{name: seconds}`` the forward models of ``model`` (a ``LearnedCost``) predict for the
+    reference calls: the calibration of the machine the models were trained on, when its
+    manifest does not hold a measured one. Names without a model are left out."""
+    graphs = _graphs()
+    out = {}
+    for name, (prim, impl, spec, sizes) in REFERENCE.items():
+        if not model.has_model(prim, impl):
+            continue
+        gi = graphs.get(spec)
+        out[name] = float(model.predict_many(prim, impl, gi, [_dims(prim, gi, sizes)],
+                                             rescale=False)[0])
+    return out
+
+
+def this_machine(fingerprint, refresh=False, log=None):
+    """This machine's calibration ``{"times": {name: seconds}, "fingerprint_id", "seconds",
+    "measured_at"}``, measured once and cached per fingerprint id."""
+    from .fingerprint import fingerprint_id
+    fid = fingerprint_id(fingerprint)
+    path = cache_dir() / f"calibration-{fid}.json"
+    if not refresh and path.is_file():
+        try:
+            cal = json.loads(path.read_text())
+            if cal.get("format") == FORMAT and set(cal.get("times", {})) == set(REFERENCE):
+                return cal
+        except (OSError, ValueError):
+            pass
+    t0 = time.perf_counter()
+    times = measure()
+    cal = {"format": FORMAT, "fingerprint_id": fid, "times": times,
+           "seconds": round(time.perf_counter() - t0, 2),
+           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cache": str(path)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cal, indent=1, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError:
+        cal["cache"] = None
+    if log is not None:
+        log(f"granii: calibrated this machine in {cal['seconds']:.1f} s")
+    return cal
+
+
+class Transfer:
+    """The scale ``r(call)`` of the module docstring from the reference times ``model_times`` (of
+    the machine the models were trained on) to ``here_times`` (this machine)."""
+
+    def __init__(self, model_times, here_times):
+        self.model_times = dict(model_times)
+        self.here_times = dict(here_times)
+
+    def ratio(self, name):
+        m, h = self.model_times.get(name), self.here_times.get(name)
+        return h / m if m and h and m > 0 and h > 0 else None
+
+    def scale(self, prim, seconds):
+        """``seconds`` (predicted for the models' machine) in this machine's seconds."""
+        cls = prim_class(prim)
+        big, small = self.ratio(cls), self.ratio("small")
+        if big is None and small is None:
+            return seconds
+        if big is None or small is None:
+            return seconds * (big or small)
+        lo, hi = math.log(self.model_times["small"]), math.log(self.model_times[cls])
+        t = math.log(max(seconds, 1e-12))
+        if hi <= lo:
+            w = 1.0 if t >= hi else 0.0
+        else:
+            w = min(max((t - lo) / (hi - lo), 0.0), 1.0)
+        return seconds * math.exp((1 - w) * math.log(small) + w * math.log(big))
+
+    def summary(self):
+        return {k: self.ratio(k) for k in REFERENCE}
+
+
+def analytical_rates(times):
+    """Roofline rates of ``granii.costmodel.AnalyticalCost`` from reference times:
+    ``flop_rate = 2 m k n / t_gemm``, ``stream_rate = 2 * 4 n k / t_stream``,
+    ``gather_rate = 4 E k / t_sparse`` and ``call_overhead = t_small / 2`` (a rough share)."""
+    out = {}
+    if times.get("gemm"):
+        s = REFERENCE["gemm"][3]
+        out["flop_rate"] = 2.0 * s["m"] * s["k"] * s["n"] / times["gemm"]
+    if times.get("stream"):
+        s = REFERENCE["stream"][3]
+        out["stream_rate"] = 2 * 4.0 * s["n"] * s["k"] / times["stream"]
+    if times.get("sparse"):
+        from profiler import generators as gen
+        p = gen.parse_name(REFERENCE["sparse"][2])[1]
+        edges = p["m"] * (2 if p.get("undirected") else 1)
+        out["gather_rate"] = 4.0 * edges * REFERENCE["sparse"][3]["k"] / times["sparse"]
+    if times.get("small"):
+        out["call_overhead"] = times["small"] / 2
+    return out

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .enumerate import TooManyTrees, layer_forest
+from .fuse import fused_variants
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .graph import graph_info
-from .plan import COMPUTED, compile_plan, fuse_gemm_add, lower, tree_calls
+from .plan import COMPUTED, REUSE, compile_plan, fuse_gemm_add, lower, tree_calls
 from .prune import prune
 from .select import EXPECTED_CALLS, rank
 
@@ -151,6 +152,7 @@ def dispatch(state, options, layer, args, kwargs):
         if skey is not None:
             state.sampled[skey] = decision
     fn, order = decision
+    REUSE["inputs"] = options.reuse_inputs
     if dkey in state.verified:
         out = fn(call.gi, layer, *(call.leaf_vals[v] for v in order))
         state.calls += 1
@@ -229,18 +231,20 @@ def prepare(state, module, args, kwargs, reuse_inputs=True):
     training = grad and any(p.requires_grad for p in module.parameters())
     input_grad = grad and feat.requires_grad
     ident = input_identity(feat) if reuse_inputs else None
-    repeats = ident is not None and state.last_input == ident
-    state.last_input = ident
+    last = state.last_input
+    repeats = ident is not None and last is not None and last[0]() is feat and last[1] == ident
+    state.last_input = None if ident is None else (weakref.ref(feat), ident)
     return Call(compiled, gi, leaf_vals, symbols, (id(compiled),) + key, training, input_grad,
                 module, repeats)
 
 
 def input_identity(t):
-    """What identifies a tensor's value without reading it: the object, its storage, its version.
-    ``None`` for tensors without a version counter (made under ``torch.inference_mode``)."""
+    """What identifies a tensor's value without reading it, beside the object itself (held by
+    weak reference: a new tensor at a freed one's address is another tensor): its storage and
+    version. ``None`` for tensors without a version counter (made under ``inference_mode``)."""
     if t.is_inference():
         return None
-    return (id(t), t.data_ptr(), t._version)
+    return (t.data_ptr(), t._version)
 
 
 def _variant(state, module, key, values, gi):
@@ -312,6 +316,10 @@ def compile_layer(module, present, is_block, real=None):
         err = _failure("enumeration or lowering", e)
         err.spec, err.config = lir.spec, lir.config
         return err
+    try:
+        promoted += [f for plan in promoted for f in fused_variants(plan)]
+    except Exception as e:       # noqa: BLE001 - the unfused plans still hold
+        warnings.warn(f"granii: fusing the plans of {type(module).__name__} failed ({e})")
     leaves = {v: l for plan in promoted for v, l in plan.leaves.items()}
     return Compiled(lir, n_trees, promoted, leaves)
 

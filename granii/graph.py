@@ -24,6 +24,7 @@ class GraphInfo:
 
     def __init__(self, g):
         self._g = weakref.ref(g)
+        self.index = g._graph       # DGL replaces it on every structural edit of g
         self.num_src = g.num_src_nodes()
         self.num_dst = g.num_dst_nodes()
         self.num_edges = g.num_edges()
@@ -79,11 +80,11 @@ _INFOS = weakref.WeakKeyDictionary()
 def graph_info(g):
     """The ``GraphInfo`` of ``g``, created on first use and dropped when ``g`` is garbage collected.
 
-    A graph whose structure is mutated in place (``add_edges``) is a new input: its edge count
-    changes and the stale entry is replaced.
+    A graph whose structure is edited in place (``add_edges``, ``remove_edges``) is a new input,
+    whatever its counts: DGL gives it a new index object, and the stale entry is replaced.
     """
     info = _INFOS.get(g)
-    if info is None or info.num_edges != g.num_edges() or info.num_src != g.num_src_nodes():
+    if info is None or info.index is not g._graph:
         info = GraphInfo(g)
         _INFOS[g] = info
     return info

@@ -305,6 +305,8 @@ def _expr(step, impl, ref=None):
         return f"{step.args[0]} * {step.args[1]}.reshape(-1, 1)"
     if step.prim == "spmm_weighted":
         return f"by_heads(spmm_weighted_{impl}, gi, {step.args[0]}, {step.args[1]})"
+    if step.prim == "gat_aggregate":
+        return f"gat_heads(gat_aggregate_{impl}, gi, {', '.join(map(str, step.args))})"
     if step.prim == "add":
         return f"{step.args[0]} + {step.args[1]}"
     if step.prim == "cat":
@@ -455,22 +457,28 @@ def once_per_graph(gi, key, compute):
     return gi.memo(("once", key), compute)
 
 
+REUSE = {"inputs": True}     # set per call by the dispatcher (``granii(..., reuse_inputs=...)``)
+
+
 def once_per_input(gi, key, tensors, compute):
     """``compute()`` once per (graph, input tensors) while the inputs need no gradient.
 
-    The entry remembers the inputs by weak reference and version counter: another tensor, or the
-    same one changed in place, computes again. With inputs that require grad it always computes.
+    The entry remembers each input by weak reference, storage address and version counter:
+    another tensor, or the same one changed in place, computes again. Inputs that require grad,
+    tensors made under ``torch.inference_mode`` (no version counter) and calls with reuse turned
+    off always compute.
     """
-    if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
+    if not REUSE["inputs"] or any(t.is_inference() for t in tensors) or (
+            torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return compute()
+    ident = [(t.data_ptr(), t._version) for t in tensors]
     entry = gi.cache.get(("input", key))
     if entry is not None:
-        refs, versions, value = entry
-        if all(r() is t and t._version == v for r, t, v in zip(refs, tensors, versions)):
+        refs, idents, value = entry
+        if idents == ident and all(r() is t for r, t in zip(refs, tensors)):
             return value
     value = compute()
-    gi.cache[("input", key)] = ([weakref.ref(t) for t in tensors],
-                                [t._version for t in tensors], value)
+    gi.cache[("input", key)] = ([weakref.ref(t) for t in tensors], ident, value)
     return value
 
 
@@ -488,6 +496,14 @@ def by_heads(kernel, gi, w, x):
         return kernel(gi, w.reshape(-1), x)
     heads = w.shape[1]
     return kernel(gi, w, x.view(x.shape[0], heads, -1)).reshape(-1, x.shape[1])
+
+
+def gat_heads(kernel, gi, el, er, x, slope, w):
+    """GAT's aggregation with ``x`` of shape (n, H F) and scores ``el``, ``er`` of shape (n, H):
+    the kernel's (n_dst, H, F) output as (n_dst, H F)."""
+    heads = el.shape[-1] if el.dim() > 1 else 1
+    out = kernel(gi, el, er, x.view(x.shape[0], heads, -1), slope, w)
+    return out.reshape(out.shape[0], -1)
 
 
 def scalar(module, attr, offset, factor):
@@ -508,7 +524,7 @@ def diag_mul_torch(a, b):
 
 RUNTIME = {"torch": torch, "degree_power": degree_power, "once_per_graph": once_per_graph,
            "once_per_input": once_per_input, "diag_mul_torch": diag_mul_torch, "store": store,
-           "scalar": scalar, "head_diag": head_diag, "by_heads": by_heads}
+           "scalar": scalar, "head_diag": head_diag, "by_heads": by_heads, "gat_heads": gat_heads}
 
 
 def all_steps(choice):

@@ -519,7 +519,9 @@ def _callable_ref(it, func):
     for attr, value in vars(it.module).items():
         if value is func and not attr.startswith("__"):
             it.config[attr] = config_summary(value)
-            return f"{attr}:{name}", ("attr", attr)
+            # a known function is part of the ref (fusion passes read it); the plan still
+            # calls the attribute, and is reused only while it holds the same object
+            return f"{attr}:{name}", ("attr", attr) + ((func,) if _known_pure(func) else ())
     return name, ("function", func)
 
 

@@ -18,6 +18,9 @@ class FrontendError(Exception):
         self.reason = reason
         self.lineno = lineno
 
+    def __reduce__(self):       # copies and pickles of a model keep the reason of a fallback
+        return type(self), (self.construct, self.reason, self.lineno), self.__dict__
+
 
 class RaisesForConfig(Exception):
     """The original code raises for this configuration: the original forward must run (and raise)."""

@@ -1,0 +1,192 @@
+"""Fusion passes: a lowered plan -> the same plan with chains of steps replaced by one fused primitive.
+
+Each pass is a plain function from a ``Plan`` to a new ``Plan`` (or ``None`` when nothing fused),
+like a peephole pass of a compiler. A fused plan is an extra candidate beside the plan it came
+from: selection prices both, and every fused primitive also has implementations that run the
+unfused sequence, so fusing never removes a choice.
+
+    normalised SpMM   row_scale(d_dst, spmm(row_scale(d_src, X)))       -> spmm_norm(d_dst, d_src, X)
+                      spmm_weighted(sddmm_scale(d_dst, 1, d_src), X)    -> spmm_norm(d_dst, d_src, X)
+                      (either scale may be absent; ``+ bias`` and a ReLU that follow are applied as
+                      each output row is written)
+    GAT aggregation   spmm_weighted(softmax(leaky_relu(el_u + er_v)) [* w_e], Theta)
+                                                            -> gat_aggregate(el, er, Theta, slope, w)
+
+A chain fuses only when its inner results have no other use and run when the fused step runs.
+"""
+from dataclasses import replace
+
+import torch
+
+from .plan import EVERY, Step
+
+_RELUS = (torch.relu, torch.nn.functional.relu)
+
+
+def fused_variants(plan):
+    """The plans the fusion passes make from ``plan`` (possibly none)."""
+    out = []
+    norm = fuse_normalised_spmm(plan)
+    if norm is not None:
+        out.append(norm)
+    gat = fuse_gat(norm or plan)
+    if gat is not None:
+        out.append(gat)
+    return out
+
+
+def _uses(plan):
+    uses = {}
+    for st in plan.steps:
+        for a in st.args:
+            if isinstance(a, str):
+                uses.setdefault(a, []).append(st)
+    uses.setdefault(plan.out, []).append(None)
+    return uses
+
+
+def _is_degree(plan, var):
+    """``var`` holds a diagonal: a degree power, or a product of diagonals (``diag_mul``)."""
+    leaf = plan.leaves.get(var)
+    if leaf is not None:
+        return leaf.source[0] == "degree"
+    return any(st.var == var and st.prim == "diag_mul" for st in plan.steps)
+
+
+def _rebuild(plan, steps, suffix):
+    """A copy of ``plan`` with ``steps``, its index marked as derived (``3n``)."""
+    used = {a for st in steps for a in st.args} | {plan.out}
+    leaves = {v: l for v, l in plan.leaves.items() if v in used}
+    return replace(plan, index=f"{plan.index}{suffix}", steps=steps, leaves=leaves,
+                   applies={v: r for v, r in plan.applies.items()
+                            if any(st.var == v for st in steps)})
+
+
+def fuse_normalised_spmm(plan):
+    """Every unweighted SpMM with the degree scales around it, and every weighted SpMM whose edge
+    values are the once-per-graph ``d_dst[v] d_src[u]``, as one ``spmm_norm`` step; then a bias
+    row added to it and a ReLU applied to that, when nothing else uses the intermediate."""
+    by_var = {st.var: st for st in plan.steps}
+    uses = _uses(plan)
+
+    def only_user(var):
+        users = uses.get(var, ())
+        return users[0] if len(users) == 1 else None
+
+    def degree_scale(st, var, when):
+        """``st`` is ``row_scale(d, var)`` by a degree vector, run when ``when`` is."""
+        return (st is not None and st.prim == "row_scale" and st.args[1] == var
+                and _is_degree(plan, st.args[0]) and st.when == when)
+
+    gone, replaced = set(), {}
+    for st in plan.steps:
+        if st.prim == "spmm":
+            x, d_src, d_dst, last = st.args[0], None, None, st
+            prod = by_var.get(x)
+            if only_user(x) is st and x not in replaced and \
+                    degree_scale(prod, prod.args[1] if prod else None, st.when):
+                d_src, x = prod.args
+                gone.add(prod.var)
+            user = only_user(st.var)
+            if degree_scale(user, st.var, st.when):
+                d_dst, last = user.args[0], user
+                gone.add(st.var)
+            if d_src is None and d_dst is None:
+                continue
+        elif st.prim == "spmm_weighted":
+            w = by_var.get(st.args[0])
+            if w is None or w.prim != "sddmm_scale" or w.args[1] is not None:
+                continue
+            d_dst, _, d_src = w.args
+            x, last = st.args[1], st
+        else:
+            continue
+        replaced[last.var] = Step(last.var, "spmm_norm", (d_dst, d_src, x), last.when, last.key,
+                                  ("spmm_norm",) + tuple(st.sig[1:]), st.inputs)
+    if not replaced:
+        return None
+    steps = [replaced.get(st.var, st) for st in plan.steps if st.var not in gone]
+    steps = _epilogue(plan, _drop_unused(steps, plan.out))
+    return _rebuild(plan, steps, "n")
+
+
+def _epilogue(plan, steps):
+    """``spmm_norm`` + bias row [-> ReLU] written by the fused step itself."""
+    by_var = {st.var: st for st in steps}
+    uses = _uses(replace(plan, steps=steps))
+    out = list(steps)
+    for st in steps:
+        if st.prim != "spmm_norm" or st.when != EVERY or len(st.args) > 3:
+            continue
+        users = uses.get(st.var, ())
+        if len(users) != 1 or users[0] is None or users[0].prim != "add":
+            continue
+        add = users[0]
+        other = add.args[1] if add.args[0] == st.var else add.args[0]
+        leaf = plan.leaves.get(other)
+        if leaf is None or leaf.rows != "1" or leaf.source[0] != "param":
+            continue
+        new = replace(st, var=add.var, args=st.args + (other,), key=add.key)
+        act_users = uses.get(add.var, ())
+        if len(act_users) == 1 and act_users[0] is not None and act_users[0].prim == "apply":
+            ref = plan.applies.get(act_users[0].var, ())
+            fn = ref[1] if ref and ref[0] == "function" else (ref[2] if len(ref) > 2 else None)
+            if any(fn is r for r in _RELUS):
+                new = replace(new, var=act_users[0].var, args=new.args + ("'relu'",),
+                              key=act_users[0].key)
+                out.remove(by_var[act_users[0].var])
+        out[out.index(st)] = new
+        out.remove(add)
+    return out
+
+
+def _drop_unused(steps, out_var):
+    while True:
+        used = {a for st in steps for a in st.args} | {out_var}
+        keep = [st for st in steps if st.var in used or st.prim == "store"]
+        if len(keep) == len(steps):
+            return keep
+        steps = keep
+
+
+def fuse_gat(plan):
+    """GAT's scores, leaky ReLU, softmax over in-edges [, edge weight] and weighted aggregation as
+    one ``gat_aggregate`` step, when the attention values are used by nothing else (no dropout on
+    them in training, no ``get_attention``)."""
+    by_var = {st.var: st for st in plan.steps}
+    uses = _uses(plan)
+    single = lambda var: len(uses.get(var, ())) == 1
+    for st in plan.steps:
+        if st.prim != "spmm_weighted":
+            continue
+        chain, a, w = [], st.args[0], None
+        step = by_var.get(a)
+        if step is not None and step.prim == "edge_scale" and single(a):
+            chain.append(step)
+            a, w = step.args
+            step = by_var.get(a)
+        if step is None or step.prim != "edge_softmax" or not single(a):
+            continue
+        chain.append(step)
+        step = by_var.get(step.args[0])
+        if step is None or step.prim != "apply" or not single(step.var):
+            continue
+        ref = plan.applies.get(step.var, ())
+        if ref[:1] != ("module",) or not step.key.startswith(f"{ref[1]}:LeakyReLU("):
+            continue
+        chain.append(step)
+        score = by_var.get(step.args[0])
+        if score is None or score.prim != "sddmm_add" or not single(score.var):
+            continue
+        chain.append(score)
+        if any(c.when != EVERY for c in chain) or st.when != EVERY:
+            continue
+        el, er = score.args
+        slope = f"module.{ref[1]}.negative_slope" if ref[1].isidentifier() else \
+            f"module.get_submodule({ref[1]!r}).negative_slope"
+        fused = Step(st.var, "gat_aggregate", (el, er, st.args[1], slope, w), EVERY, st.key,
+                     ("gat_aggregate", False, st.sig[2]), st.inputs)
+        gone = {c.var for c in chain}
+        steps = [fused if s is st else s for s in plan.steps if s.var not in gone]
+        return _rebuild(plan, steps, "g")
+    return None

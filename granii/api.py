@@ -35,7 +35,7 @@ def find_layers(model):
 
 
 def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, inspect_now=True,
-           per_batch=False, reuse_inputs=True):
+           per_batch=False, reuse_inputs=True, tune=True, deterministic=False):
     """Optimize every GNN layer of ``model`` in place and return ``model``.
 
     ``cost_model``: an object with ``predict(prim, impl, gi, dims)``; by default the learned models
@@ -56,13 +56,20 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     call signature and sizes, and in powers of two the same edges and sources per destination).
     ``per_batch=True`` decides again on every block.
 
+    ``tune``: when many calls follow (not on sampled blocks), the first calls of a decision time
+    the best predicted plan, the runner-up when predicted close, and the layer's original forward
+    in turn (each call gives the same result) and keep the fastest; ``explain`` shows the times.
+    ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) makes no decision
+    that depends on a measurement: the same input always gets the same plan.
+
     Calling ``granii`` again on a model updates the options of its layers (and forgets their
     decisions); layers already optimized are not wrapped twice.
     """
     if cost_model is None:
         from .learned import default_cost_model
         cost_model = default_cost_model()
-    opts = Options(cost_model, expected_calls, per_batch, reuse_inputs)
+    opts = Options(cost_model, expected_calls, per_batch, reuse_inputs,
+                   tune and not deterministic)
     layers = find_layers(model)
     if not layers:
         raise TypeError(f"granii: {type(model).__name__} holds no GNN layer (a module whose "

@@ -16,8 +16,10 @@ own. Anything the offline stage cannot handle, for any reason, runs the original
 reason is kept for ``explain``.
 """
 import copy
+import dataclasses
 import inspect
 import math
+import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -49,6 +51,7 @@ class Options:
     expected_calls: int = EXPECTED_CALLS
     per_batch: bool = False
     reuse_inputs: bool = True
+    tune: bool = True
 
     def model(self):
         if self.cost_model is None:
@@ -72,7 +75,8 @@ class LayerState:
     sampled: dict = field(default_factory=dict)      # sampler-configuration key -> decision
     reused: int = 0                                  # block calls that reused such a decision
     failed: dict = field(default_factory=dict)       # decision key -> reason a plan raised
-    verified: set = field(default_factory=set)       # decision keys whose plan ran once
+    verified: set = field(default_factory=set)       # (decision key, plan) that ran once
+    tuned: tuple = None                              # (median seconds per candidate, kept)
 
 
 def new_state(layer, name=None):
@@ -100,8 +104,7 @@ class Dispatcher:
         options = self.options
         from .learned import default_cost_model
         if options.cost_model is not None and options.cost_model is default_cost_model():
-            options = Options(None, options.expected_calls, options.per_batch,
-                              options.reuse_inputs)
+            options = dataclasses.replace(options, cost_model=None)
         return {"layer": self.layer, "name": self.state.name, "options": options}
 
     def __setstate__(self, st):
@@ -151,34 +154,52 @@ def dispatch(state, options, layer, args, kwargs):
         decision = per_graph[dkey] = decide(state, options, call)
         if skey is not None:
             state.sampled[skey] = decision
-    fn, order = decision
     REUSE["inputs"] = options.reuse_inputs
-    if dkey in state.verified:
+    if isinstance(decision, Trial):
+        return _trial_call(state, per_graph, dkey, decision, call, layer, args, kwargs)
+    label, fn, order = decision
+    return _run(state, dkey, label, fn, order, call, layer, args, kwargs)
+
+
+def _run(state, dkey, label, fn, order, call, layer, args, kwargs):
+    """Run one decision: a compiled plan, or the original forward (``fn`` is ``None``)."""
+    if fn is None:
+        state.fallback = None
+        state.calls += 1
+        return original_forward(layer, args, kwargs)
+    if (dkey, label) in state.verified:
         out = fn(call.gi, layer, *(call.leaf_vals[v] for v in order))
         state.calls += 1
         state.fallback = None
         return out
-    # the first run of a decision: if the plan raises, the original forward runs instead, with
-    # the random numbers the plan drew given back
+    # the first run of a plan: if it raises, the original forward runs instead, with the random
+    # numbers the plan drew given back
     rng = torch.get_rng_state()
     try:
         out = fn(call.gi, layer, *(call.leaf_vals[v] for v in order))
     except Exception as e:       # noqa: BLE001 - a plan that raises is never used again
         torch.set_rng_state(rng)
-        reason = f"the chosen plan raised {type(e).__name__}: {e}"
+        reason = f"plan {label} raised {type(e).__name__}: {e}"
         state.failed[dkey] = reason
         warnings.warn(f"granii: layer '{state.name}': {reason}; running the original forward "
                       "from now on for this input", RuntimeWarning)
         state.fallback = reason
         return original_forward(layer, args, kwargs)
-    state.verified.add(dkey)
+    state.verified.add((dkey, label))
     state.calls += 1
     state.fallback = None
     return out
 
 
+# -- deciding ----------------------------------------------------------------------------------------
+ORIGINAL = "original forward"
+TRIAL_MARGIN = 1.3       # plans predicted within this factor of the best are timed too
+TRIAL_ROUNDS = 3         # timed calls per candidate, after one untimed call each
+
+
 def decide(state, options, call):
-    """Rank the promoted plans for this call and compile the cheapest: ``(fn, leaf order)``."""
+    """Rank the promoted plans for this call and compile the cheapest: ``(label, fn, leaf order)``;
+    or a ``Trial`` when many calls follow and tuning is on (``granii(..., tune=True)``)."""
     model = options.model()
     calls = 1 if call.gi.is_block else options.expected_calls
     ranking = rank(call.compiled.plans, call.gi, call.symbols, model, call.training,
@@ -186,7 +207,72 @@ def decide(state, options, call):
     best = ranking[0]
     fn, code = compile_plan(best.plan, best.impls)
     state.last = (call.symbols, ranking, best, code, call.training, model.name)
-    return fn, leaf_vals_order(best.plan)
+    chosen = (f"[{best.plan.index}]", fn, leaf_vals_order(best.plan))
+    if not _tuning(options, call):
+        return chosen
+    cands, seen = [chosen], {(best.plan.composition(), best.impls)}
+    for c in ranking[1:]:
+        what = (c.plan.composition(), c.impls)
+        if c.cost > TRIAL_MARGIN * best.cost or len(cands) > 1:
+            break
+        if what not in seen:
+            seen.add(what)
+            f, _ = compile_plan(c.plan, c.impls)
+            cands.append((f"[{c.plan.index}]", f, leaf_vals_order(c.plan)))
+    cands.append((ORIGINAL, None, None))
+    return Trial(cands)
+
+
+def _tuning(options, call):
+    return (options.tune and not call.gi.is_block and options.expected_calls > 1
+            and not torch.are_deterministic_algorithms_enabled())
+
+
+@dataclass
+class Trial:
+    """A measured tie-break (like cuDNN's benchmark mode): the best predicted plan, the next one
+    when predicted within ``TRIAL_MARGIN`` of it, and the layer's original forward take turns on
+    the first calls of a decision (each call returns the same result); after one untimed and
+    ``TRIAL_ROUNDS`` timed calls each, the one with the fastest median forward time is kept.
+    So a wrong prediction costs at most those calls, and granii is never kept slower than DGL's
+    own layer as measured."""
+    candidates: list
+    times: dict = field(default_factory=dict)
+    turn: int = 0
+
+    def next(self):
+        c = self.candidates[self.turn % len(self.candidates)]
+        self.turn += 1
+        return c
+
+    def record(self, label, seconds):
+        self.times.setdefault(label, []).append(seconds)
+
+    def settled(self):
+        return all(len(self.times.get(c[0], ())) > TRIAL_ROUNDS for c in self.candidates)
+
+    def winner(self):
+        med = {label: sorted(ts[1:])[len(ts[1:]) // 2] for label, ts in self.times.items()}
+        return min(self.candidates, key=lambda c: med[c[0]])
+
+    def report(self):
+        med = {label: sorted(ts[1:])[len(ts[1:]) // 2] for label, ts in self.times.items()}
+        return [(c[0], med[c[0]]) for c in self.candidates]
+
+
+def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
+    label, fn, order = trial.next()
+    t0 = time.perf_counter()
+    out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
+    trial.record(label, time.perf_counter() - t0)
+    if dkey in state.failed:                  # a candidate raised: the others go on
+        del state.failed[dkey]
+        trial.candidates = [c for c in trial.candidates if c[0] != label]
+        trial.times.pop(label, None)
+    if trial.settled() or len(trial.candidates) == 1:
+        per_graph[dkey] = trial.winner() if trial.times else trial.candidates[0]
+        state.tuned = (trial.report(), per_graph[dkey][0])
+    return out
 
 
 class _UserError(ValueError):

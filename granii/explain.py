@@ -74,6 +74,10 @@ def _explain_layer(st, out):
     for c in ranking:
         mark = "  <- chosen" if c is best else ""
         p(f"  [{c.plan.index}]  {_fmt_ms(c.cost)}  {c.plan.composition()}{mark}")
+    if getattr(st, "tuned", None):
+        times, kept = st.tuned
+        p("  measured on the first calls (median forward): " + ", ".join(
+            f"{label} {_fmt_ms(t).strip()}" for label, t in times) + f"; kept {kept}")
     p("  chosen plan, step by step:")
     for step, impl, t in best.step_costs:
         p(f"    {step.var:<4} {step.prim:<14} {impl:<10} {step.when:<15} {_fmt_ms(t)}  {step.key}")

@@ -1,0 +1,93 @@
+"""The dispatcher: measured tie-break (tune), deterministic decisions, fallbacks it must take."""
+import copy
+
+import dgl
+import pytest
+import torch
+from dgl.nn import GraphConv, SAGEConv
+from torch import nn
+
+from granii import granii
+from granii.costmodel import AnalyticalCost
+from granii.dispatch import TRIAL_ROUNDS, layer_states
+
+
+def _graph():
+    dgl.seed(1)
+    return dgl.add_self_loop(dgl.rand_graph(300, 2400))
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = SAGEConv(12, 16, "mean", feat_drop=0.3, activation=torch.relu)
+        self.drop = nn.Dropout(0.4)
+        self.b = GraphConv(16, 5)
+
+    def forward(self, g, x):
+        return self.b(g, self.drop(self.a(g, x)))
+
+
+def test_trial_calls_give_dgls_results_and_settle():
+    """While the candidates take turns, every training call equals DGL's under the same seed
+    (dropout draws included); after a bounded number of calls one candidate is kept."""
+    g = _graph()
+    torch.manual_seed(0)
+    ref = TwoLayers()
+    model = copy.deepcopy(ref)
+    x = torch.randn(g.num_nodes(), 12)
+    granii(model, g, x, cost_model=AnalyticalCost())
+    n_calls = 3 * (TRIAL_ROUNDS + 1) + 2
+    for i in range(n_calls):
+        torch.manual_seed(100 + i)
+        out = model(g, x)
+        torch.manual_seed(100 + i)
+        want = ref(g, x)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+    states = layer_states(model)
+    assert all(st.tuned is not None for st in states)
+    for st in states:
+        times, kept = st.tuned
+        assert kept in [label for label, _ in times]
+        assert any(label == "original forward" for label, _ in times)
+    text = granii.explain(model, file=open("/dev/null", "w"))
+    assert "measured on the first calls" in text
+
+
+def test_deterministic_makes_no_measured_decision():
+    g = _graph()
+    model = TwoLayers()
+    x = torch.randn(g.num_nodes(), 12)
+    granii(model, g, x, cost_model=AnalyticalCost(), deterministic=True)
+    for _ in range(3 * (TRIAL_ROUNDS + 2)):
+        model(g, x)
+    assert all(st.tuned is None for st in layer_states(model))
+    chosen = [st.last[2].plan.index for st in layer_states(model)]
+    again = copy.deepcopy(model)
+    for _ in range(3):
+        again(g, x)
+    assert [st.last[2].plan.index for st in layer_states(again)] == chosen
+
+
+def test_heterogeneous_graph_runs_the_original_forward():
+    g = dgl.heterograph({("a", "r", "b"): (torch.tensor([0, 1]), torch.tensor([1, 0])),
+                         ("b", "s", "a"): (torch.tensor([0]), torch.tensor([1]))})
+    layer = dgl.nn.HeteroGraphConv({"r": GraphConv(3, 2), "s": GraphConv(3, 2)})
+    feats = {"a": torch.randn(2, 3), "b": torch.randn(2, 3)}
+    want = layer(g, feats)
+    granii(layer, g, feats, cost_model=AnalyticalCost())
+    got = layer(g, feats)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k])
+
+
+def test_wrong_feature_width_says_what_to_do():
+    g = _graph()
+    layer = GraphConv(12, 4)
+    granii(layer, g, torch.randn(g.num_nodes(), 12), cost_model=AnalyticalCost())
+    with pytest.raises(ValueError, match="in_feats=7"):
+        layer(g, torch.randn(g.num_nodes(), 7))

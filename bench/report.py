@@ -372,8 +372,9 @@ def headline(cf, hf):
     return h
 
 
-def write(out, command=""):
-    """Write ``out/report.md`` (and PNGs) from the CSVs in ``out``; returns the headline dict."""
+def write(out, command="", name="report.md"):
+    """Write ``out/<name>`` (and PNGs) from the CSVs of the earlier suite in ``out`` (``runs.csv``
+    and the optional parts); returns the headline dict."""
     out = Path(out)
     runs = out / "runs.csv"
     machine = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}
@@ -439,7 +440,7 @@ def write(out, command=""):
     md.append(_e2e_section(out))
     md.append(_overhead_section(out))
     md.append(_memory_section(out))
-    (out / "report.md").write_text("".join(md))
+    (out / name).write_text("".join(md))
     return h
 
 

@@ -1,24 +1,30 @@
-"""The benchmark suite: granii against DGL (and PyG) on this machine, and the report.
+"""The benchmark: granii against DGL on what users run, and the report.
 
-    python -m scripts.benchmark [--quick] [--models gcn,gin,...] [--graphs cora,...] [--out DIR]
-                                [--parts layers,e2e,overhead,memory] [--fresh] [--report-only]
+    python -m scripts.benchmark [--quick] [--parts models,minibatch,layers] [--minutes 25]
+                                [--models gcn,gat,...] [--graphs cora,...] [--out DIR]
+                                [--report-only]
 
 Parts (see the modules of ``bench/`` for what each measures and how):
 
-* ``e2e``       2-layer GCN and GAT on Cora and CiteSeer, times and test accuracy -> ``e2e.csv``;
-* ``overhead``  featurize/select/first-call time vs graph size up to 1e7 edges -> ``overhead.csv``;
-* ``memory``    peak memory of DGL's layer and granii's (a process per model and sizes) ->
-                ``memory.csv``;
-* ``layers``    single layers, every model x graph x (k_in, k_out) x inference/training: DGL,
-                granii (overheads included), PyG and every promoted plan -> ``runs.csv``. Run
-                last, level by level of sizes, until the time of ``--minutes`` is spent.
+* ``models``     DGL's example models (GCN, GAT, GraphSAGE, GIN, SGC, TAGCN) with their dropout on
+                 the real graphs: full-batch training epochs and inference on new features at
+                 every call (``bench/fullbatch.py``) -> ``models.csv``;
+* ``minibatch``  GraphSAGE, GCN and GAT trained with a neighbour sampler, per epoch
+                 (``bench/minibatch.py``) -> rows of ``models.csv``;
+* ``layers``     single layers on new features each call and on the same features again
+                 (``bench/single.py``) -> ``layers.csv``.
 
-Then ``report.md`` (+ PNG plots) and ``machine.json`` in ``--out`` (default ``results/bench``).
-The layer sweep is resumable: configurations already in ``runs.csv`` are skipped (``--fresh``
-deletes the CSVs first). ``--quick`` runs three small real graphs at sizes {32, 256} and shortened
-other parts: a few minutes. A full run takes ``--minutes`` (45 by default) on 2 cores: the
-fixed parts first (about 10 minutes), then as many levels of the layer sweep as fit;
-``--parts layers --minutes N`` continues a sweep that stopped for time (``--minutes 0``: no limit).
+Each configuration also runs a copy whose selection is restricted to DGL's and torch's kernels
+(``bench/restrict.py``): the gain of joint selection. Then ``report.md`` + ``headline.png`` and
+``machine.json`` in ``--out`` (default ``results/bench``).
+
+``--quick``: Cora and CiteSeer, two sizes, short budgets: a few minutes. A full run fits in
+``--minutes`` (25 by default): the parts run in the order above and the single layers, run last
+level by level of sizes, stop when the time is spent.
+
+The earlier suite (every promoted plan of a layer timed, PyG, overheads vs graph size, peak memory)
+is still available as the parts ``sweep``, ``overhead``, ``memory`` and ``e2e``; it writes
+``sweep.md`` beside the report.
 """
 import argparse
 import csv
@@ -27,31 +33,57 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # Threads that wait at an OpenMP barrier sleep instead of spinning: with spinning, another busy
-# process on this 2-core machine makes 2-thread runs up to ~40x slower (a spinning thread holds
-# the core its descheduled sibling needs). Set before torch and DGL load their OpenMP runtime.
+# process on this 2-core machine makes 2-thread runs many times slower. Set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
-from bench import e2e, graphs, memory, models, overhead, report, runs  # noqa: E402
+from bench import examples, fullbatch, inputs, minibatch, single, summary  # noqa: E402
+from bench.restrict import WithoutNative  # noqa: E402
 
-PARTS = ("layers", "e2e", "overhead", "memory")
-OUTPUTS = ("runs.csv", "e2e.csv", "overhead.csv", "memory.csv", "report.md", "configs.csv",
-           "errors.txt")
+PARTS = ("models", "minibatch", "layers")
+LEGACY = ("sweep", "overhead", "memory", "e2e")
+# per-configuration round budgets (seconds): full run, quick run
+BUDGET = {"train": (3.0, 0.4), "infer": (2.5, 0.4), "minibatch": (12.0, 2.0), "layers": (0.5, 0.2)}
+MINIBATCH_GRAPHS = (("pubmed", "github-social"), ("cora",))
+LAYER_GRAPHS = (("cora", "pubmed", "github-social"), ("cora",))
+
+
+def _git(*args):
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+def native_primitives():
+    """The primitives that have a ``native`` implementation registered in this process."""
+    from granii.kernels import REGISTRY
+    return sorted(p for p, impls in REGISTRY.items() if "native" in impls)
+
+
+def native_status():
+    from granii.kernels import native
+    have = native_primitives()
+    if not have:
+        return "not available (restricted selection is then the same as granii's)"
+    return ("available for " + ", ".join(have)
+            + ("" if native.AVAILABLE else "; SpMM extension not loaded"))
 
 
 def machine_info(cost_model, command):
-    """CPU, threads, library versions, commit and date of this run."""
     cpu = platform.processor() or "?"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -61,34 +93,17 @@ def machine_info(cost_model, command):
     except OSError:
         pass
     import dgl
-    import numpy
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "dgl": dgl.__version__, "numpy": numpy.__version__,
-                "torch_geometric": models.pyg_version() or f"not available ({models.PYG_ERROR})"}
     commit = _git("rev-parse", "--short", "HEAD")
     if _git("status", "--porcelain", "--untracked-files=no"):
-        commit += " (with uncommitted changes)"
-    mem = None
-    try:
-        mem = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
-    except (ValueError, OSError):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem,
-            "threads": torch.get_num_threads(), "platform": platform.platform(),
+        commit += " (with uncommitted changes in the working tree)"
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "platform": platform.platform(),
             "omp": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
-            "versions": versions, "commit": commit,
-            "cost_model": getattr(cost_model, "name", type(cost_model).__name__),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_start": round(os.getloadavg()[0], 2),
-            "command": command,
-            "pyg": None if models.PYG_ERROR is None else f"skipped: {models.PYG_ERROR}"}
-
-
-def _git(*args):
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "dgl": dgl.__version__},
+            "commit": commit, "cost_model": getattr(cost_model, "name", type(cost_model).__name__),
+            "native": native_status(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "load_start": round(os.getloadavg()[0], 2), "command": command}
 
 
 def write_csv(path, rows):
@@ -101,125 +116,182 @@ def write_csv(path, rows):
         w.writerows(rows)
 
 
-def run_e2e(out, quick, log):
-    rows = []
-    epochs = 30 if quick else 200
-    for dataset in ("cora",) if quick else ("cora", "citeseer"):
-        for name in ("gcn", "gat"):
-            r = e2e.run(dataset, name, epochs=epochs)
-            rows.append(r)
-            log(f"  e2e {name} {dataset}: epoch {r['train_ms_dgl']:.2f} ms DGL vs "
-                f"{r['train_ms_granii']:.2f} ms granii; forward {r['forward_ms_dgl']:.2f} vs "
-                f"{r['forward_ms_granii']:.2f} ms; test acc {r['test_acc_dgl']:.3f} vs "
-                f"{r['test_acc_granii']:.3f}; {r['status']}")
-    write_csv(out / "e2e.csv", rows)
+def plan(args):
+    """``[(part, key, weight)]``: every configuration of the run, in order, with a rough cost
+    (seconds on an idle machine) for the progress bar."""
+    q = 1 if args.quick else 0
+    graphs = [g for g in (args.graphs.split(",") if args.graphs else
+                          (inputs.QUICK_GRAPHS if args.quick else inputs.FULL_GRAPHS))]
+    big = {"pubmed": 2, "github-social": 5}
+    todo = []
+    if "models" in args.parts:
+        for gname in graphs:
+            for task in ("train", "infer"):
+                for m in args.models:
+                    if m in examples.FULL:
+                        w = (1 if args.quick else 4) * big.get(gname, 1)
+                        todo.append(("models", (m, gname, task), w))
+    if "minibatch" in args.parts:
+        mb = ([g for g in graphs if g in MINIBATCH_GRAPHS[0]] if args.graphs
+              else MINIBATCH_GRAPHS[q])
+        for gname in mb:
+            for m in examples.SAMPLED:
+                if m in args.models:
+                    todo.append(("minibatch", (m, gname), 6 if args.quick else 25))
+    if "layers" in args.parts:
+        lg = [g for g in graphs if g in LAYER_GRAPHS[0]] if args.graphs else LAYER_GRAPHS[q]
+        for level, m, gname, ki, ko in single.configs(lg, args.quick,
+                                                       [m for m in single.LAYERS
+                                                        if m in args.models]):
+            todo.append(("layers", (m, gname, ki, ko), (1 if args.quick else 2.5)
+                         * big.get(gname, 1) * (1 + max(ki, ko) / 512)))
+    return todo
 
 
-def run_memory(out, quick, model_names, log):
-    """Peak memory for each model at one increasing and one decreasing pair on one graph."""
-    from granii.datasets import load_graph
-    import dgl
-    gname = "cora" if quick else "github-social"
-    pairs = [(32, 256)] if quick else [(32, 512), (512, 32)]
-    names = ["gcn"] if quick else [m for m in model_names if m != "gat4"]
-    base = load_graph(gname)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        files = {}
-        for loops in (False, True):
-            g = graphs.with_self_loops(base) if loops else base
-            files[loops] = Path(tmp) / f"{gname}-{int(loops)}.bin"
-            dgl.save_graphs(str(files[loops]), [g])
-        for model in names:
-            for k_in, k_out in pairs:
-                got = memory.measure(files[models.MODELS[model].self_loops], model, k_in, k_out)
-                for r in got:
-                    rows.append(dict(model=model, graph=gname, k_in=k_in, k_out=k_out, **r))
-                cells = [f"{r['mode'][:5]} {r['candidate']} "
-                         + (f"{r['extra_mb']:.0f} MB" if r.get("status") == "ok" else r["status"])
-                         for r in got]
-                log(f"  memory {model} {k_in}->{k_out}: " + "; ".join(cells))
-    write_csv(out / "memory.csv", rows)
+def run(args, cost_model, out, log):
+    cms = {"granii": cost_model}
+    if native_primitives():
+        cms["restricted"] = WithoutNative(cost_model)
+    todo = plan(args)
+    deadline = time.time() + 60 * args.minutes - 45 if args.minutes else None
+    budget = {k: v[1 if args.quick else 0] for k, v in BUDGET.items()}
+    loaded, model_rows, layer_rows = {}, [], []
+    bar = tqdm(total=sum(w for *_, w in todo), unit="s", unit_scale=False, smoothing=0.1,
+               bar_format="{l_bar}{bar}| {percentage:3.0f}% [{elapsed}<{remaining}] {postfix}",
+               mininterval=1.0, file=sys.stderr)
+    skipped = 0
+    for i, (part, key, weight) in enumerate(todo):
+        if deadline is not None and time.time() > deadline and part == "layers":
+            skipped = len(todo) - i
+            log(f"time budget spent: {skipped} single-layer configurations left out")
+            break
+        bar.set_postfix_str(f"{part} {' '.join(map(str, key))}")
+        gname = key[1]
+        if gname not in loaded:
+            loaded[gname] = inputs.load(gname)
+        inp = loaded[gname]
+        try:
+            if part == "models":
+                m, _, task = key
+                row = fullbatch.measure(examples.FULL[m], inp, task, cms, budget=budget[task])
+                model_rows.append(row)
+                write_csv(out / "models.csv", model_rows)
+                log(_line(row))
+            elif part == "minibatch":
+                spec, fanouts = examples.SAMPLED[key[0]]
+                row = minibatch.measure(spec, fanouts, inp, cms, budget=budget["minibatch"],
+                                        max_rounds=3 if args.quick else 5)
+                model_rows.append(row)
+                write_csv(out / "models.csv", model_rows)
+                log(_line(row))
+            else:
+                m, _, ki, ko = key
+                rows = single.measure(m, gname, inp.g, ki, ko, cms, budget=budget["layers"],
+                                      max_rounds=args.calls - 1)
+                layer_rows.extend(rows)
+                write_csv(out / "layers.csv", layer_rows)
+                log(_layer_line(rows))
+        except Exception:                      # noqa: BLE001 - one configuration, the run goes on
+            log(f"  {part} {key}: error\n{traceback.format_exc()}")
+        bar.update(weight)
+    bar.close()
+    errors = fullbatch.ERRORS + minibatch.ERRORS + single.ERRORS
+    if errors:
+        (out / "errors.txt").write_text("\n".join(
+            f"== {' '.join(str(v) for v in b.values() if isinstance(v, (str, int)))[:200]}\n{tb}"
+            for b, tb in errors))
+    return skipped
+
+
+def _line(r):
+    if r.get("status") != "ok":
+        return f"  {r['task']:9} {r['model']:6} {r['graph']:14} {r['status']}"
+    return (f"  {r['task']:9} {r['model']:6} {r['graph']:14} DGL {r.get('dgl_ms', 0):8.2f} ms  "
+            f"granii {r.get('granii_ms', 0):8.2f} ms  -> {r.get('speedup', 0):5.2f}x "
+            f"(joint gain {r.get('joint_gain', float('nan')):.2f}x)  check {r.get('check')}")
+
+
+def _layer_line(rows):
+    cells = []
+    for r in rows:
+        if r.get("status") != "ok":
+            cells.append(f"{r['features']}: {r['status']}")
+        else:
+            cells.append(f"{r['features']} {r.get('speedup', 0):.2f}x")
+    r = rows[0]
+    return (f"  layer     {r['model']:6} {r['graph']:14} {r['k_in']}->{r['k_out']}: "
+            + ", ".join(cells) + f"  check {r.get('check')}")
+
+
+def legacy(parts, args, cost_model, out):
+    """The earlier suite's parts (``sweep`` = its layer sweep), report in ``sweep.md``."""
+    from bench import graphs, models, overhead, report, runs
+    if "sweep" in parts:
+        specs = graphs.suite(args.quick)
+        runs.sweep(out / "runs.csv", list(models.DEFAULT_MODELS), specs, cost_model,
+                   quick=args.quick, repeat=7 if args.quick else 15,
+                   budget=0.25 if args.quick else 0.5)
+    if "overhead" in parts:
+        write_csv(out / "overhead.csv", overhead.sweep(cost_model, max_edges=1e5 if args.quick
+                                                       else 1e7, runs=2 if args.quick else 3))
+    if "e2e" in parts:
+        from bench import e2e
+        write_csv(out / "e2e.csv", [e2e.run(d, m, epochs=30 if args.quick else 200)
+                                    for d in ("cora", "citeseer") for m in ("gcn", "gat")])
+    if "memory" in parts:
+        print("memory: run the earlier suite's memory part with an older checkout")
+    if (out / "runs.csv").exists():
+        report.write(out, name="sweep.md")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small graphs and sizes: a few minutes")
-    ap.add_argument("--models", default=",".join(models.DEFAULT_MODELS),
-                    help=f"comma-separated, from {', '.join(models.MODELS)}")
-    ap.add_argument("--graphs", default="", help="comma-separated graph names (default: suite)")
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"from {', '.join(PARTS)}")
-    ap.add_argument("--out", default=str(ROOT / "results" / "bench"))
-    ap.add_argument("--fresh", action="store_true", help="delete previous results in --out first")
-    ap.add_argument("--report-only", action="store_true", help="only rebuild report.md")
+    ap.add_argument("--quick", action="store_true", help="Cora and CiteSeer, short: a few minutes")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"from {', '.join(PARTS + LEGACY)}")
+    ap.add_argument("--models", default="gcn,gat,sage,gin,sgc,tagcn")
+    ap.add_argument("--graphs", default="", help="comma-separated (default: the suite's)")
     ap.add_argument("--minutes", type=float, default=None,
-                    help="time budget of the whole run; the layer sweep (run last) stops when it "
-                         "is spent, between levels of sizes (default 45, none with --quick; 0: none)")
-    ap.add_argument("--repeat", type=int, default=None,
-                    help="max rounds per configuration (default 15, 7 with --quick)")
-    ap.add_argument("--budget", type=float, default=None,
-                    help="seconds of timed rounds per configuration after the third round "
-                         "(default 0.5, 0.25 with --quick)")
-    ap.add_argument("--quiet-wait", type=float, default=0.0,
-                    help="before each layer configuration wait up to this many seconds for other "
-                         "processes to use less than a third of a core")
-    ap.add_argument("--no-pyg", action="store_true", help="leave out the PyG column")
+                    help="time budget (default 25; none with --quick); single layers stop then")
+    ap.add_argument("--calls", type=int, default=100,
+                    help="calls per single-layer configuration at most (first included)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench"))
+    ap.add_argument("--note", default="", help="a note for the report (e.g. the machine's load)")
+    ap.add_argument("--report-only", action="store_true", help="only rebuild report.md")
     args = ap.parse_args(argv)
-    if args.repeat is None:
-        args.repeat = 7 if args.quick else 15
-    if args.budget is None:
-        args.budget = 0.25 if args.quick else 0.5
-    command = "python -m scripts.benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.parts = [p for p in args.parts.split(",") if p]
+    args.models = [m for m in args.models.split(",") if m]
+    if args.minutes is None:
+        args.minutes = 0 if args.quick else 25
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    command = "python -m scripts.benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.report_only:
-        h = report.write(out)
+        h = summary.write(out)
         print(json.dumps(h, indent=1))
         return h
-
     torch.set_num_threads(2)
     warnings.simplefilter("ignore")
     from granii.learned import default_cost_model
     cost_model = default_cost_model()
-    model_names = [m for m in args.models.split(",") if m]
-    unknown = [m for m in model_names if m not in models.MODELS]
-    if unknown:
-        ap.error(f"unknown model(s) {unknown}; known: {', '.join(models.MODELS)}")
-    parts = [p for p in args.parts.split(",") if p]
-    if args.fresh:
-        for name in OUTPUTS:
-            (out / name).unlink(missing_ok=True)
     started = time.time()
     info = machine_info(cost_model, command)
+    if args.note:
+        info["note"] = args.note
     print(f"granii benchmark: {info['cpu']}, {info['threads']} threads, cost model "
-          f"{info['cost_model']}, PyG {info['versions']['torch_geometric']}; writing to {out}")
+          f"{info['cost_model']}, native kernels {info['native']}; writing to {out}", flush=True)
     (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
-    if "e2e" in parts:
-        print("end to end (2-layer models, Planetoid):")
-        run_e2e(out, args.quick, print)
-    if "overhead" in parts:
-        print("overhead vs graph size:")
-        rows = overhead.sweep(cost_model, max_edges=1e5 if args.quick else 1e7,
-                              runs=2 if args.quick else 3)
-        write_csv(out / "overhead.csv", rows)
-    if "memory" in parts:
-        print("peak memory (one process per measurement):")
-        run_memory(out, args.quick, model_names, print)
-    if "layers" in parts:
-        specs = graphs.suite(args.quick, [g for g in args.graphs.split(",") if g])
-        minutes = args.minutes if args.minutes is not None else (0 if args.quick else 45)
-        deadline = started + 60 * minutes - 60 if minutes else None
-        print(f"layer sweep: {len(model_names)} models x {len(specs)} graphs x sizes x 2 modes"
-              + (f", until {minutes} min after the start" if deadline else ""))
-        n, left = runs.sweep(out / "runs.csv", model_names, specs, cost_model, quick=args.quick,
-                             repeat=args.repeat, budget=args.budget, with_pyg=not args.no_pyg,
-                             deadline=deadline, quiet_wait=args.quiet_wait)
-        info["configs_left_for_time"] = left
-        print(f"layer sweep: {n} configurations measured" + (f", {left} left" if left else ""))
+    parts = [p for p in args.parts if p in PARTS]
+    if parts:
+        for name in ("models.csv", "layers.csv", "errors.txt"):
+            (out / name).unlink(missing_ok=True)
+        info["left_for_time"] = run(args, cost_model, out, lambda s: tqdm.write(s))
+    legacy_parts = [p for p in args.parts if p in LEGACY]
+    if legacy_parts:
+        legacy(legacy_parts, args, cost_model, out)
     info["load_end"] = round(os.getloadavg()[0], 2)
     info["duration_min"] = round((time.time() - started) / 60, 1)
     (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
-    h = report.write(out, command)
+    h = summary.write(out, command)
     print(f"wrote {out / 'report.md'}")
     for k, v in h.items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")

@@ -98,3 +98,69 @@ def test_size_levels():
     assert len(small) == 12 and small[0] == (0, (32, 128))
     big = graphs.size_levels(10**6, 10**8)
     assert [p for _, p in big] == [(32, 128), (128, 32)]
+
+
+# -- the headline benchmark (bench/fullbatch, minibatch, single, summary) -------------------------
+def _tiny_inputs(tiny):
+    from bench import inputs
+    g = tiny[1]
+    n = g.num_nodes()
+    gen = torch.Generator().manual_seed(0)
+    return inputs.Inputs("tiny", g, torch.randn(n, 12, generator=gen),
+                         torch.randint(0, 3, (n,), generator=gen), torch.rand(n, generator=gen) < 0.5,
+                         3)
+
+
+def test_headline_plumbing(tiny, cost_model, tmp_path):
+    """Every part of the headline on a tiny graph with 2 timed calls: rows, checks, report."""
+    from bench import examples, fullbatch, minibatch, restrict, single, summary
+    torch.set_num_threads(2)
+    inp = _tiny_inputs(tiny)
+    cms = {"granii": cost_model, "restricted": restrict.WithoutNative(cost_model)}
+    rows = []
+    for name in ("gcn", "tagcn"):
+        for task in ("train", "infer"):
+            r = fullbatch.measure(examples.FULL[name], inp, task, cms, budget=0.0, max_rounds=2,
+                                  warmup=0)
+            assert r["status"] == "ok" and r["check"] == "pass", r
+            assert r["rounds"] == 2 and r["dgl_total_ms"] > r["dgl_ms"] > 0
+            assert math.isfinite(r["speedup"]) and math.isfinite(r["joint_gain"])
+            rows.append(r)
+    spec, _ = examples.SAMPLED["sage"]
+    r = minibatch.measure(spec, [3, 3, 3], inp, cms, budget=0.0, max_rounds=2, max_seeds=64)
+    assert r["status"] == "ok" and r["check"] == "pass", r
+    assert r["iterations"] == 1 and r["dgl_sampling_ms"] >= 0
+    rows.append(r)
+    layer_rows = single.measure("sgc", "tiny", inp.g, 8, 4, cms, budget=0.0, max_rounds=2)
+    assert [r["features"] for r in layer_rows] == ["new", "same"]
+    assert layer_rows[1]["dgl_layer"] == "SGConv(cached=True)"
+    assert all(r["status"] == "ok" and r["check"] == "pass" for r in layer_rows)
+    import pandas as pd
+    pd.DataFrame(rows).to_csv(tmp_path / "models.csv", index=False)
+    bad = dict(layer_rows[0], check="FAIL", speedup=100.0, k_in=16)    # a failure counts nowhere
+    pd.DataFrame(layer_rows + [bad]).to_csv(tmp_path / "layers.csv", index=False)
+    h = summary.write(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "Headline" in text and "Single layers" in text and "Joint selection" in text
+    assert "1 configuration(s) failed" in text
+    assert (tmp_path / "headline.png").exists()
+    assert h["layers_new"] < 100 and set(h) >= {"models_train", "models_infer", "models_minibatch"}
+
+
+def test_restricted_cost_model_never_picks_native(cost_model):
+    from bench.restrict import WithoutNative
+    r = WithoutNative(cost_model)
+    assert r.predict("spmm", "native", None, {}) == math.inf
+    assert "without native" in r.name
+
+
+def test_benchmark_script_quick_plan():
+    """The script's configuration list: the parts in order, single layers last."""
+    import argparse
+    from scripts import benchmark
+    args = argparse.Namespace(quick=True, graphs="", parts=list(benchmark.PARTS),
+                              models=["gcn", "gat", "sage", "gin", "sgc", "tagcn"])
+    todo = benchmark.plan(args)
+    parts = [p for p, _, _ in todo]
+    assert parts.index("layers") > parts.index("minibatch") > parts.index("models")
+    assert len([p for p in parts if p == "models"]) == 2 * 2 * 6

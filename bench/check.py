@@ -1,0 +1,64 @@
+"""Correctness of an optimized model against DGL's, before it is timed.
+
+Training mode: both models run one forward and backward from the same random state (same seed,
+so the same dropout masks when granii draws as DGL draws); the outputs and the gradient of every
+parameter are compared. Eval mode: outputs on the same features. A tensor passes when
+``|got - want| <= TOL * max|want|`` everywhere (float32 sums re-associated by another plan differ
+by far less; a wrong mask, activation or operand differs by the order of the values themselves).
+"""
+import torch
+
+TOL = 1e-3
+
+
+def rel_err(got, want):
+    """``max|got - want| / max|want|`` (inf when the shapes differ or one is missing)."""
+    if got is None or want is None or got.shape != want.shape:
+        return float("inf")
+    scale = max(float(want.detach().abs().max()), 1e-12) if want.numel() else 1.0
+    if not want.numel():
+        return 0.0
+    return float((got.detach() - want.detach()).abs().max()) / scale
+
+
+def _loss(out, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out.shape, generator=gen)
+    return (out * w).sum()
+
+
+def compare(ref, opt, run, training, seed=0):
+    """``(worst relative error, what it was on)`` of ``opt`` against ``ref``: ``run(model)``
+    returns the output; in training the gradients of the parameters are compared too. Leaves
+    both models' gradients cleared."""
+    ref.train(training)
+    opt.train(training)
+    worst, where = 0.0, "output"
+    with torch.set_grad_enabled(training):
+        torch.manual_seed(seed)
+        want = run(ref)
+        torch.manual_seed(seed)
+        got = run(opt)
+    e = rel_err(got, want)
+    if e > worst or e != e:
+        worst, where = e, "output"
+    if training:
+        _loss(want, seed).backward()
+        _loss(got, seed).backward()
+        q = dict(opt.named_parameters())
+        for name, p in ref.named_parameters():
+            if p.grad is None:
+                continue
+            e = rel_err(q[name].grad if name in q else None, p.grad)
+            if e > worst or e != e:
+                worst, where = e, f"gradient of {name}"
+        for m in (ref, opt):
+            m.zero_grad(set_to_none=True)
+    return worst, where
+
+
+def passed(err):
+    return err == err and err <= TOL
+
+
+__all__ = ["compare", "rel_err", "passed", "TOL"]

@@ -1,0 +1,182 @@
+"""Full-batch training epochs and inference on new features, for one model on one graph.
+
+Candidates, side by side in one process (``rounds.interleaved``), all from one model built with a
+fixed seed (``copy.deepcopy``, so the same weights), each on its own copy of the graph (no formats
+or caches shared between them):
+
+* ``dgl``         the model as written;
+* ``granii``      the same model after ``granii(model, g, x)`` with this machine's cost model;
+* ``restricted``  the same after ``granii`` with selection restricted to DGL's and torch's kernels
+                  (``restrict.WithoutNative``), when the project's own kernels are available.
+
+Training (``task="train"``): one epoch is ``zero_grad``, forward in train mode (dropout on),
+cross-entropy on the training nodes, backward, Adam step (lr 0.01, weight decay 5e-4). The first
+epoch is timed on its own (for granii it includes the ``granii(...)`` call); the steady epoch is the
+median of the rounds; ``total`` is ``first + (EPOCHS - 1) x steady`` (DGL's examples train 200
+epochs).
+
+Inference (``task="infer"``): ``model.eval()`` under ``torch.no_grad``, each call on a feature
+tensor that no call saw before (``inputs.FreshFeatures``, made outside the timer): what every
+hidden layer sees anyway and what serving new data sees. The first call (for granii:
+``granii(model, g, x0)`` with the dataset's features, then the call on new features) is timed on
+its own; ``total`` is ``first + (CALLS - 1) x steady``. Up to ``CALLS - 1`` rounds are timed,
+fewer when the round budget is spent (large graphs).
+
+Correctness first, on copies: training mode, one seeded forward and backward (outputs and every
+parameter's gradient) and eval mode outputs on new features, each optimized copy against DGL's
+(``check.compare``). A configuration that fails is timed but marked ``check=FAIL``; the report
+leaves it out of every mean.
+"""
+import copy
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from granii import granii as optimize
+
+from . import check
+from .decisions import describe
+from .examples import build, set_graph
+from .inputs import FreshFeatures, fresh_graph
+from .load import OthersMeter
+from .restrict import uses_excluded
+from .rounds import interleaved, median, timed
+
+EPOCHS = 200
+CALLS = 100
+ERRORS = []
+
+
+def _short(e, n=200):
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _train_step(spec, model, opt, g, x, y, mask):
+    opt.zero_grad(set_to_none=True)
+    out = spec.run(model, g, x)
+    F.cross_entropy(out[mask], y[mask]).backward()
+    opt.step()
+
+
+def _infer(spec, model, g, x):
+    with torch.no_grad():
+        spec.run(model, g, x)
+
+
+def correctness(spec, model0, inp, cost_models, training):
+    """``{candidate: (passed, worst error, where, describe(...), restricted uses)}`` of each
+    optimized copy against DGL's model on the shared graph."""
+    out = {}
+    feats = FreshFeatures(inp.x.shape, pool=1, seed=99)
+    for name, cm in cost_models.items():
+        ref = set_graph(copy.deepcopy(model0), inp.g)
+        opt = set_graph(copy.deepcopy(model0), inp.g)
+        optimize(opt, inp.g, inp.x, cost_model=cm)
+        if training:
+            err, where = check.compare(ref, opt, lambda m: spec.run(m, inp.g, inp.x), True)
+        else:
+            xn = feats.next()
+            err, where = check.compare(ref, opt, lambda m: spec.run(m, inp.g, xn), False)
+        out[name] = (check.passed(err), err, where, describe(opt), uses_excluded(opt))
+    return out
+
+
+def measure(spec, inp, task, cost_models, budget=3.0, max_rounds=None, warmup=1, seed=0):
+    """One row of ``models.csv`` (see module doc). ``cost_models``: ``{"granii": model,
+    "restricted": model}`` (``restricted`` may be absent). Never raises for granii's failures."""
+    training = task == "train"
+    row = dict(model=spec.name, label=spec.label, graph=inp.name, nodes=inp.g.num_nodes(),
+               edges=inp.g.num_edges(), features=inp.features, classes=inp.classes, task=task,
+               status="ok", check="", max_rel_err="", check_where="")
+    model0 = build(spec, inp.g, inp.features, inp.classes, training, seed)
+    try:
+        checks = correctness(spec, model0, inp, cost_models, training)
+    except Exception as e:                 # noqa: BLE001 - recorded, the run goes on
+        ERRORS.append((dict(row), traceback.format_exc()[-3000:]))
+        row.update(status=f"error: {_short(e)}", check="FAIL")
+        checks = {}
+    for name, (ok, err, where, desc, used) in checks.items():
+        tag = "" if name == "granii" else f"{name}_"
+        row[f"{tag}check"] = "pass" if ok else "FAIL"
+        row[f"{tag}max_rel_err"] = err
+        row[f"{tag}check_where"] = where
+        row[f"{tag}optimized"] = f"{desc['optimized']}/{desc['layers']}"
+        row[f"{tag}fallbacks"] = desc["fallbacks"]
+        row[f"{tag}plans"] = desc["plans"]
+        if name != "granii":
+            row[f"{tag}uses_excluded"] = ",".join(used)
+    names = ["dgl"] + [n for n in cost_models if n in checks]
+
+    fns, first, models = {}, {}, {}
+    feats = FreshFeatures(inp.x.shape, seed=seed + 7)
+    try:
+        for name in names:
+            g = fresh_graph(inp.g)
+            m = set_graph(copy.deepcopy(model0), g)
+            models[name] = m
+            cm = cost_models.get(name)
+            if training:
+                opt = torch.optim.Adam(m.parameters(), lr=0.01, weight_decay=5e-4)
+                m.train()
+                t0 = time.perf_counter()
+                if cm is not None:
+                    optimize(m, g, inp.x, cost_model=cm)
+                _train_step(spec, m, opt, g, inp.x, inp.y, inp.train)
+                first[name] = time.perf_counter() - t0
+                fns[name] = (lambda m=m, opt=opt, g=g:
+                             timed(_train_step, spec, m, opt, g, inp.x, inp.y, inp.train))
+            else:
+                m.eval()
+                x1 = feats.next()
+                t0 = time.perf_counter()
+                if cm is not None:
+                    optimize(m, g, inp.x, cost_model=cm)
+                _infer(spec, m, g, x1)
+                first[name] = time.perf_counter() - t0
+
+                def call(m=m, g=g):
+                    x = feats.next()
+                    return timed(_infer, spec, m, g, x)
+                fns[name] = call
+        limit = max_rounds or (EPOCHS - 1 if training else CALLS - 1)
+        with OthersMeter() as others:
+            samples = interleaved(fns, warmup=warmup, max_rounds=limit, min_rounds=3,
+                                  budget=budget)
+    except Exception as e:                 # noqa: BLE001
+        ERRORS.append((dict(row), traceback.format_exc()[-3000:]))
+        row.update(status=f"error: {_short(e)}")
+        return row
+    n = EPOCHS if training else CALLS
+    for name in names:
+        med = median(samples[name])
+        row[f"{name}_ms"] = med * 1e3
+        row[f"{name}_min_ms"] = min(samples[name]) * 1e3
+        row[f"{name}_first_ms"] = first[name] * 1e3
+        row[f"{name}_total_ms"] = (first[name] + (n - 1) * med) * 1e3
+    if "granii" in names:
+        row["granii"] = describe(models["granii"])["plans"]
+    row.update(rounds=len(samples["dgl"]), iterations=n, others_cores=others.cores,
+               time=time.strftime("%H:%M:%S"))
+    _ratios(row)
+    return row
+
+
+def _ratios(row):
+    """Speedups of a row: DGL over granii (total and steady), restricted over granii."""
+    def ratio(a, b):
+        try:
+            return float(row[a]) / float(row[b])
+        except (KeyError, ValueError, ZeroDivisionError, TypeError):
+            return float("nan")
+    row["speedup"] = ratio("dgl_total_ms", "granii_total_ms")
+    row["speedup_steady"] = ratio("dgl_ms", "granii_ms")
+    row["restricted_speedup"] = ratio("dgl_total_ms", "restricted_total_ms")
+    row["joint_gain"] = ratio("restricted_total_ms", "granii_total_ms")
+    row["joint_gain_steady"] = ratio("restricted_ms", "granii_ms")
+    row["speedup_min"] = ratio("dgl_min_ms", "granii_min_ms")      # fastest rounds: noise check
+
+
+__all__ = ["measure", "correctness", "EPOCHS", "CALLS", "ERRORS"]

@@ -1,0 +1,172 @@
+"""Mini-batch training with a neighbour sampler, per epoch, for one model on one graph.
+
+As DGL's sampling examples train: ``dgl.dataloading.NeighborSampler(fanouts)`` and
+``dgl.dataloading.DataLoader`` over the training seeds (``BATCH`` per batch, shuffled); for each
+batch the blocks are used once: forward on the input nodes' features, cross-entropy on the seeds,
+backward, Adam step. Nothing is reused between batches except granii's decision (made on the
+first block of a sampler configuration and reused for the later ones, see README).
+
+Each candidate (``dgl``, ``granii``, ``restricted``; see ``fullbatch``) has its own loader over
+its own copy of the graph. One epoch of one candidate is one timed measurement, the sampling
+included (what the user's epoch costs); the time spent inside the loader is recorded too, so
+``model`` times (the epoch without the sampling) can be compared as well. Rounds alternate the
+candidates epoch by epoch after a warm-up epoch each.
+
+Seeds (the training nodes of an epoch): a fixed random ``max_seeds`` of the graph's nodes (8,192:
+8 batches), or all of them on a smaller graph, so an epoch stays within seconds on two cores.
+The first epoch of each candidate (for granii with ``granii(...)`` on its first batch) is timed
+apart and is the warm-up; then at least 3 rounds (at most ``max_rounds``, within ``budget``).
+
+Correctness: one batch's blocks, one seeded forward and backward of each optimized copy against
+DGL's model (outputs and gradients).
+"""
+import copy
+import time
+import traceback
+
+import dgl
+import torch
+import torch.nn.functional as F
+
+from granii import granii as optimize
+
+from . import check
+from .decisions import describe
+from .fullbatch import _ratios, _short
+from .inputs import fresh_graph
+from .load import OthersMeter
+from .restrict import uses_excluded
+from .rounds import interleaved, median
+
+BATCH = 1024
+ERRORS = []
+
+
+def loader(g, seeds, fanouts, seed):
+    sampler = dgl.dataloading.NeighborSampler(fanouts)
+    gen = torch.Generator().manual_seed(seed)
+    return dgl.dataloading.DataLoader(g, seeds, sampler, batch_size=BATCH, shuffle=True,
+                                      drop_last=False, generator=gen)
+
+
+class Epoch:
+    """One training epoch of ``model`` over its own loader; ``__call__`` returns the seconds of
+    the epoch and keeps the seconds spent in the loader in ``self.sampling``."""
+
+    def __init__(self, spec, model, g, inp, seeds, fanouts, seed, cost_model=None):
+        self.spec, self.model, self.inp = spec, model, inp
+        self.loader = loader(g, seeds, fanouts, seed)
+        self.opt = torch.optim.Adam(model.parameters(), lr=0.003)
+        self.cost_model = cost_model
+        self.sampling = []
+        self.batches = 0
+
+    def __call__(self):
+        self.model.train()
+        t0 = time.perf_counter()
+        in_loader = 0.0
+        it = iter(self.loader)
+        n = 0
+        while True:
+            t = time.perf_counter()
+            try:
+                inp_nodes, out_nodes, blocks = next(it)
+            except StopIteration:
+                in_loader += time.perf_counter() - t
+                break
+            in_loader += time.perf_counter() - t
+            x = self.inp.x[inp_nodes]
+            if self.cost_model is not None:        # the first epoch: granii(...) on its first batch
+                optimize(self.model, blocks, x, cost_model=self.cost_model)
+                self.cost_model = None
+            self.opt.zero_grad(set_to_none=True)
+            out = self.spec.run(self.model, blocks, x)
+            F.cross_entropy(out, self.inp.y[out_nodes]).backward()
+            self.opt.step()
+            n += 1
+        self.batches = n
+        self.sampling.append(in_loader)
+        return time.perf_counter() - t0
+
+
+def seeds_of(g, max_seeds, seed=0):
+    n = g.num_nodes()
+    if n <= max_seeds:
+        return torch.arange(n)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(n, generator=gen)[:max_seeds].sort().values
+
+
+def correctness(spec, model0, inp, fanouts, seeds, cost_models):
+    out = {}
+    _, out_nodes, blocks = next(iter(loader(inp.g, seeds, fanouts, 5)))
+    x = inp.x[blocks[0].srcdata[dgl.NID]]
+    for name, cm in cost_models.items():
+        ref, opt = copy.deepcopy(model0), copy.deepcopy(model0)
+        optimize(opt, blocks, x, cost_model=cm)
+        err, where = check.compare(ref, opt, lambda m: spec.run(m, blocks, x), True)
+        out[name] = (check.passed(err), err, where, describe(opt), uses_excluded(opt))
+    return out
+
+
+def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=5, max_seeds=8192,
+            seed=0):
+    """One row of ``models.csv`` with ``task="minibatch"`` (see module doc)."""
+    seeds = seeds_of(inp.g, max_seeds, seed)
+    row = dict(model=spec.name, label=spec.label, graph=inp.name, nodes=inp.g.num_nodes(),
+               edges=inp.g.num_edges(), features=inp.features, classes=inp.classes,
+               task="minibatch", fanouts="/".join(map(str, fanouts)), seeds=len(seeds),
+               batch=BATCH, status="ok", check="", max_rel_err="", check_where="")
+    torch.manual_seed(seed)
+    model0 = spec.build(inp.g, inp.features, inp.classes, True)
+    try:
+        checks = correctness(spec, model0, inp, fanouts, seeds, cost_models)
+    except Exception as e:                 # noqa: BLE001
+        ERRORS.append((dict(row), traceback.format_exc()[-3000:]))
+        row.update(status=f"error: {_short(e)}", check="FAIL")
+        checks = {}
+    for name, (ok, err, where, desc, used) in checks.items():
+        tag = "" if name == "granii" else f"{name}_"
+        row.update({f"{tag}check": "pass" if ok else "FAIL", f"{tag}max_rel_err": err,
+                    f"{tag}check_where": where,
+                    f"{tag}optimized": f"{desc['optimized']}/{desc['layers']}",
+                    f"{tag}fallbacks": desc["fallbacks"], f"{tag}plans": desc["plans"]})
+        if name != "granii":
+            row[f"{tag}uses_excluded"] = ",".join(used)
+    names = ["dgl"] + [n for n in cost_models if n in checks]
+    epochs, first = {}, {}
+    try:
+        for name in names:
+            m = copy.deepcopy(model0)
+            ep = epochs[name] = Epoch(spec, m, fresh_graph(inp.g), inp, seeds, fanouts, seed + 1,
+                                      cost_models.get(name))
+            first[name] = ep()                # includes granii(...) on the first batch
+        with OthersMeter() as others:
+            samples = interleaved(dict(epochs), warmup=0, max_rounds=max_rounds,
+                                  min_rounds=min(3, max_rounds), budget=budget)
+    except Exception as e:                 # noqa: BLE001
+        ERRORS.append((dict(row), traceback.format_exc()[-3000:]))
+        row.update(status=f"error: {_short(e)}")
+        return row
+    for name in names:
+        med = median(samples[name])
+        sampling = median(epochs[name].sampling[1:])
+        row[f"{name}_ms"] = med * 1e3
+        row[f"{name}_min_ms"] = min(samples[name]) * 1e3
+        row[f"{name}_first_ms"] = first[name] * 1e3
+        row[f"{name}_total_ms"] = med * 1e3              # per epoch: the headline is steady
+        row[f"{name}_sampling_ms"] = sampling * 1e3
+        row[f"{name}_model_ms"] = (med - sampling) * 1e3
+    if "granii" in names:
+        row["granii"] = describe(epochs["granii"].model)["plans"]
+    row.update(rounds=len(samples["dgl"]), iterations=epochs["dgl"].batches,
+               others_cores=others.cores, time=time.strftime("%H:%M:%S"))
+    _ratios(row)
+    try:
+        row["speedup_model"] = row["dgl_model_ms"] / row["granii_model_ms"]
+    except (KeyError, ZeroDivisionError):
+        row["speedup_model"] = float("nan")
+    return row
+
+
+__all__ = ["measure", "BATCH", "ERRORS", "seeds_of"]

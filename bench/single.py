@@ -1,0 +1,158 @@
+"""Single layers in inference, split by what the features do between calls.
+
+For one layer (``bench.models``: GraphConv, SGConv, TAGConv, GINConv, SAGEConv, GATConv) on one
+graph at ``(k_in, k_out)``, two rows:
+
+* ``features="new"``   every call gets a feature tensor no call saw before (what a hidden layer
+  sees, and inference on new data): nothing that depends on the features can be reused;
+* ``features="same"``  the same tensor every call (a first layer on fixed features): granii may
+  keep work that depends on the graph and the features alone. Where DGL offers such reuse itself
+  (``SGConv(cached=True)``), DGL's column is that layer (same weights), so the comparison is
+  against the best DGL does.
+
+Candidates side by side (``rounds.interleaved``): ``dgl``, ``granii`` and, on new features,
+``restricted`` (selection without the project's own kernels). Each has its own copy of the
+graph. The first call is timed on its own and includes ``granii(layer, g, x0)`` (``x0`` another
+tensor of the same shape, so on new features the first call reuses nothing);
+``total = first + 99 x steady`` (100 calls). Layers run in eval mode under ``torch.no_grad``.
+
+Correctness, after timing, of the very copies timed: the output on a new tensor and, with the
+same features, on the timed tensor called twice more (the reuse path), against DGL's layer
+(``check.rel_err``).
+"""
+import copy
+import time
+import traceback
+
+import torch
+from dgl.nn import SGConv
+
+from granii import granii as optimize
+
+from . import check, models
+from .decisions import describe
+from .fullbatch import _ratios, _short
+from .inputs import FreshFeatures, fresh_graph
+from .load import OthersMeter
+from .rounds import interleaved, median, timed
+
+CALLS = 100
+LAYERS = ("gcn", "sgc", "tagcn", "gin", "sage", "gat")
+# sizes in the order they run: a run stopped by its deadline has the first levels everywhere
+LEVELS = [((32, 128), (128, 32)), ((128, 512), (512, 128)), ((32, 512), (512, 32)),
+          ((32, 32), (128, 128), (512, 512))]
+QUICK_LEVELS = [((32, 128), (128, 32))]
+ERRORS = []
+
+
+def _call(layer, g, x):
+    with torch.no_grad():
+        return layer(g, x)
+
+
+def cached_twin(layer):
+    """DGL's own reuse for ``layer``: ``SGConv(cached=True)`` with the same weights, or None."""
+    if not isinstance(layer, SGConv):
+        return None
+    twin = SGConv(layer.fc.in_features, layer.fc.out_features, k=layer._k, cached=True,
+                  bias=layer.fc.bias is not None, norm=layer.norm,
+                  allow_zero_in_degree=layer._allow_zero_in_degree)
+    twin.load_state_dict(layer.state_dict())
+    return twin.eval()
+
+
+def _check(layer0, g, x, timed_layers, features):
+    """``{name: worst relative error}`` of the timed granii copies against DGL's layer: on a new
+    tensor, and (same features) on the timed tensor called twice more (the reuse path)."""
+    gen = torch.Generator().manual_seed(123)
+    xn = torch.randn(x.shape, generator=gen)
+    want_new = _call(layer0, g, xn)
+    want_same = _call(layer0, g, x) if features == "same" else None
+    errs = {}
+    for name, (layer, fg) in timed_layers.items():
+        if name == "dgl":
+            continue
+        err = check.rel_err(_call(layer, fg, xn.clone()), want_new)
+        if features == "same":
+            err = max(err, check.rel_err(_call(layer, fg, x), want_same),
+                      check.rel_err(_call(layer, fg, x), want_same))
+        errs[name] = err
+    return errs
+
+
+def measure(model, graph_name, g, k_in, k_out, cost_models, budget=0.6, max_rounds=CALLS - 1,
+            seed=0):
+    """The two rows (new features, same features) of one configuration (see module doc)."""
+    layer0 = models.build(model, k_in, k_out, seed).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(g.num_nodes(), k_in, generator=gen)
+    base = dict(model=model, label=models.MODELS[model].label, graph=graph_name,
+                nodes=g.num_nodes(), edges=g.num_edges(), k_in=k_in, k_out=k_out)
+    rows = []
+    for features in ("new", "same"):
+        row = dict(base, features=features, status="ok", check="")
+        names = {"dgl": None, "granii": cost_models["granii"]}
+        if features == "new" and "restricted" in cost_models:
+            names["restricted"] = cost_models["restricted"]
+        try:
+            timing, timed_layers = _time(layer0, g, x, names, features, budget, max_rounds, seed)
+            row.update(timing)
+            errs = _check(layer0, g, x, timed_layers, features)
+            for name, err in errs.items():
+                tag = "" if name == "granii" else f"{name}_"
+                row[f"{tag}check"] = "pass" if check.passed(err) else "FAIL"
+                row[f"{tag}max_rel_err"] = err
+            desc = describe(timed_layers["granii"][0])
+            row.update(optimized=f"{desc['optimized']}/{desc['layers']}",
+                       fallbacks=desc["fallbacks"], granii=desc["plans"])
+        except Exception as e:             # noqa: BLE001 - recorded, the run goes on
+            ERRORS.append((dict(row), traceback.format_exc()[-3000:]))
+            row.update(status=f"error: {_short(e)}", check="FAIL")
+        _ratios(row)
+        rows.append(row)
+    return rows
+
+
+def _time(layer0, g, x, names, features, budget, max_rounds, seed):
+    """``(timing columns, {name: (timed layer, its graph)})``."""
+    feats = FreshFeatures(x.shape, seed=seed + 11) if features == "new" else None
+    x0 = torch.randn_like(x)
+    fns, first, layers, row = {}, {}, {}, {}
+    for name, cm in names.items():
+        fg = fresh_graph(g)
+        twin = cached_twin(layer0) if name == "dgl" and features == "same" else None
+        layer = twin if twin is not None else copy.deepcopy(layer0)
+        if twin is not None:
+            row["dgl_layer"] = "SGConv(cached=True)"
+        layers[name] = (layer, fg)
+        xi = feats.next() if feats else x
+        t0 = time.perf_counter()
+        if cm is not None:
+            optimize(layer, fg, x0 if feats else x, cost_model=cm)
+        _call(layer, fg, xi)
+        first[name] = time.perf_counter() - t0
+        if feats:
+            fns[name] = lambda layer=layer, fg=fg: timed(_call, layer, fg, feats.next())
+        else:
+            fns[name] = lambda layer=layer, fg=fg: timed(_call, layer, fg, x)
+    with OthersMeter() as others:
+        samples = interleaved(fns, warmup=1, max_rounds=max_rounds, min_rounds=5, budget=budget)
+    for name in names:
+        med = median(samples[name])
+        row[f"{name}_ms"] = med * 1e3
+        row[f"{name}_min_ms"] = min(samples[name]) * 1e3
+        row[f"{name}_first_ms"] = first[name] * 1e3
+        row[f"{name}_total_ms"] = (first[name] + (CALLS - 1) * med) * 1e3
+    row.update(rounds=len(samples["dgl"]), others_cores=others.cores,
+               time=time.strftime("%H:%M:%S"))
+    return row, layers
+
+
+def configs(graph_names, quick=False, layers=LAYERS):
+    """``[(level, model, graph, k_in, k_out)]`` in run order: level by level of sizes."""
+    levels = QUICK_LEVELS if quick else LEVELS
+    return [(i, m, gname, ki, ko) for i, pairs in enumerate(levels) for gname in graph_names
+            for m in layers for ki, ko in pairs]
+
+
+__all__ = ["measure", "configs", "LAYERS", "LEVELS", "ERRORS", "cached_twin"]

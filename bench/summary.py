@@ -1,0 +1,425 @@
+"""The report of the headline benchmark (``models.csv``, ``layers.csv``) and its plot.
+
+Every figure is a ratio of times measured side by side in one process; a summary over graphs or
+sizes is a geometric mean. A configuration whose correctness check failed, or that raised, is
+listed and left out of every mean (its ratio is never counted, even where it looks good).
+"""
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+TASKS = {"train": "full-batch training epoch", "infer": "inference, new features each call",
+         "minibatch": "mini-batch training epoch (neighbour sampler)"}
+MODEL_ORDER = ["gcn", "gat", "sage", "gin", "sgc", "tagcn"]
+LAYER_NAMES = {"gcn": "GraphConv", "sgc": "SGConv", "tagcn": "TAGConv", "gin": "GINConv",
+               "sage": "SAGEConv", "gat": "GATConv"}
+MODEL_NAMES = {"gcn": "GCN", "gat": "GAT", "sage": "GraphSAGE", "gin": "GIN", "sgc": "SGC",
+               "tagcn": "TAGCN"}
+# targets (DGL time / granii time)
+LAYER_TARGETS = {"gcn": 1.6, "sgc": 1.6, "tagcn": 1.6, "gin": 1.3, "sage": 1.3, "gat": 8.0}
+LAYER_FLOOR = 0.95
+TASK_TARGETS = {"train": 1.8, "minibatch": 1.5}
+
+
+def geomean(xs):
+    xs = [float(x) for x in xs if x is not None and np.isfinite(x) and x > 0]
+    return float(np.exp(np.mean(np.log(xs)))) if xs else float("nan")
+
+
+def fmt(x, digits=2, suffix="x"):
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return "-"
+    return "-" if not np.isfinite(x) else f"{x:.{digits}f}{suffix}"
+
+
+def ms(x):
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return "-"
+    if not np.isfinite(x):
+        return "-"
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def _read(path):
+    if not Path(path).exists() or Path(path).stat().st_size == 0:
+        return None
+    df = pd.read_csv(path)
+    for c in ("check", "status", "restricted_check"):
+        if c not in df:
+            df[c] = ""
+        df[c] = df[c].fillna("").astype(str)
+    return df
+
+
+def valid(df):
+    """Rows that ran and passed their correctness check."""
+    return df[(df.status == "ok") & (df.check == "pass")]
+
+
+def valid_restricted(df):
+    ok = valid(df)
+    return ok[ok.restricted_check == "pass"] if "restricted_check" in ok else ok.iloc[0:0]
+
+
+def failures(df, what):
+    bad = df[(df.status != "ok") | (df.check != "pass")]
+    out = []
+    for _, r in bad.iterrows():
+        where = ", ".join(str(r[c]) for c in what if c in r and str(r[c]) != "nan")
+        reason = r.status if r.status != "ok" else (
+            f"check {r.check}: max relative error {fmt(r.get('max_rel_err'), 2, '')} "
+            f"({r.get('check_where', 'output')})")
+        out.append(f"* {where}: {reason}")
+    return out
+
+
+# -- models -----------------------------------------------------------------------------------------
+def models_summary(df):
+    """``{task: {model: geomean speedup}}`` and overall geomeans per task, valid rows only."""
+    ok = valid(df)
+    out = {}
+    for task in TASKS:
+        sub = ok[ok.task == task]
+        if sub.empty:
+            continue
+        per = {m: geomean(g.speedup) for m, g in sub.groupby("model")}
+        per["all"] = geomean(sub.speedup)
+        out[task] = per
+    return out
+
+
+def headline_table(df):
+    s = models_summary(df)
+    tasks = [t for t in TASKS if t in s]
+    models = [m for m in MODEL_ORDER if any(m in s[t] for t in tasks)]
+    rows = []
+    for m in models:
+        cells = []
+        for t in tasks:
+            sub = df[(df.task == t) & (df.model == m)]
+            n_ok = len(valid(sub))
+            cells.append(f"**{fmt(s[t].get(m))}** ({n_ok}/{len(sub)})" if len(sub) else "-")
+        rows.append([MODEL_NAMES.get(m, m)] + cells)
+    rows.append(["**all (geomean)**"] + [f"**{fmt(s[t]['all'])}**" for t in tasks])
+    rows.append(["target"] + [fmt(TASK_TARGETS[t]) if t in TASK_TARGETS else "-" for t in tasks])
+    return table(["model"] + [TASKS[t] for t in tasks], rows)
+
+
+def task_detail(df, task):
+    sub = df[df.task == task]
+    if sub.empty:
+        return ""
+    rows = []
+    for _, r in sub.iterrows():
+        bad = r.status != "ok" or r.check != "pass"
+        first = f"{ms(r.get('dgl_first_ms'))} / {ms(r.get('granii_first_ms'))}"
+        row = [MODEL_NAMES.get(r.model, r.model), r.graph, ms(r.get("dgl_ms")),
+               ms(r.get("granii_ms")), first]
+        if task == "minibatch":
+            row += [f"{ms(r.get('dgl_sampling_ms'))}", fmt(r.get("speedup_model"))]
+        row += [("~~" + fmt(r.speedup) + "~~ FAIL") if bad else f"**{fmt(r.speedup)}**",
+                fmt(r.get("speedup_steady")), fmt(r.get("joint_gain")),
+                f"{int(r.rounds) if r.get('rounds') == r.get('rounds') else '-'}",
+                str(r.get("optimized", "-"))]
+        rows.append(row)
+    unit = {"train": "epoch ms", "infer": "call ms", "minibatch": "epoch ms"}[task]
+    total = {"train": "200 epochs", "infer": "100 calls", "minibatch": "epoch"}[task]
+    header = ["model", "graph", f"DGL {unit}", f"granii {unit}", "first DGL / granii ms"]
+    if task == "minibatch":
+        header += ["sampling ms", "without sampling"]
+    header += [f"speedup ({total})", "steady", "joint gain", "rounds", "layers optimized"]
+    return table(header, rows)
+
+
+def joint_table(models_df, layers_df):
+    rows = []
+    if models_df is not None:
+        ok = valid_restricted(models_df)
+        for m in [m for m in MODEL_ORDER if m in set(ok.model)]:
+            cells = []
+            for t in TASKS:
+                sub = ok[(ok.model == m) & (ok.task == t)]
+                cells.append(fmt(geomean(sub.joint_gain)) if len(sub) else "-")
+            rows.append([MODEL_NAMES.get(m, m)] + cells)
+    header = ["model"] + [TASKS[t] for t in TASKS]
+    if layers_df is not None:
+        ok = valid_restricted(layers_df[layers_df.features == "new"])
+        header.append("single layer, new features")
+        by = {m: geomean(g.joint_gain) for m, g in ok.groupby("model")}
+        names = {MODEL_NAMES.get(m, m): m for m in MODEL_ORDER}
+        for r in rows:
+            r.append(fmt(by.get(names.get(r[0]))))
+    return table(header, rows) if rows else ""
+
+
+# -- single layers ----------------------------------------------------------------------------------
+def layers_summary(df):
+    ok = valid(df)
+    out = {}
+    for m, g in ok.groupby("model"):
+        d = {}
+        for f in ("new", "same"):
+            s = g[g.features == f]
+            d[f] = geomean(s.speedup)
+            d[f"{f}_worst"] = float(s.speedup.min()) if len(s) else float("nan")
+            d[f"{f}_n"] = len(s)
+        out[m] = d
+    return out
+
+
+def layers_table(df):
+    s = layers_summary(df)
+    rows = []
+    for m in [m for m in MODEL_ORDER if m in s]:
+        d, t = s[m], LAYER_TARGETS.get(m)
+        meets = ("yes" if d["new"] >= t and d["new_worst"] >= LAYER_FLOOR else "no") if t else "-"
+        n_all = len(df[(df.model == m) & (df.features == "new")])
+        rows.append([LAYER_NAMES[m], f"**{fmt(d['new'])}**", fmt(d["new_worst"]),
+                     fmt(d["same"]), fmt(d["same_worst"]),
+                     fmt(d["same"] / d["new"]) if d["new"] > 0 else "-",
+                     f"{d['new_n']}/{n_all}", fmt(t), meets])
+    new = valid(df)[valid(df).features == "new"]
+    rows.append(["**all**", f"**{fmt(geomean(new.speedup))}**",
+                 fmt(new.speedup.min() if len(new) else float("nan")),
+                 fmt(geomean(valid(df)[valid(df).features == "same"].speedup)), "", "", "",
+                 f"floor {fmt(LAYER_FLOOR)}", ""])
+    return table(["layer", "new features (100 calls)", "worst", "same features again", "worst",
+                  "what reuse adds", "configs", "target (new)", "met"], rows)
+
+
+def layers_grid(df):
+    """Per layer and graph, the ratio at each size: ``new / same``."""
+    sizes = sorted({(int(a), int(b)) for a, b in zip(df.k_in, df.k_out)})
+    rows = []
+    for (m, gname), g in df.groupby(["model", "graph"], sort=False):
+        cells = []
+        for ki, ko in sizes:
+            c = []
+            for f in ("new", "same"):
+                r = g[(g.k_in == ki) & (g.k_out == ko) & (g.features == f)]
+                if r.empty:
+                    c.append("-")
+                else:
+                    r = r.iloc[0]
+                    bad = r.status != "ok" or r.check != "pass"
+                    c.append("FAIL" if bad else fmt(r.speedup, 2, ""))
+            cells.append(" / ".join(c))
+        rows.append([LAYER_NAMES.get(m, m), gname] + cells)
+    return table(["layer", "graph"] + [f"{a}→{b}" for a, b in sizes], rows)
+
+
+# -- plot -------------------------------------------------------------------------------------------
+def plot(models_df, layers_df, out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
+    panels = (models_df is not None) + (layers_df is not None)
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.2), squeeze=False)
+    ax_i = 0
+    if models_df is not None:
+        ax = axes[0][ax_i]
+        ax_i += 1
+        s = models_summary(models_df)
+        tasks = [t for t in TASKS if t in s]
+        models = [m for m in MODEL_ORDER if any(m in s[t] for t in tasks)]
+        w = 0.8 / max(len(tasks), 1)
+        for j, t in enumerate(tasks):
+            vals = [s[t].get(m, np.nan) for m in models]
+            ax.bar(np.arange(len(models)) + j * w, vals, w, label=TASKS[t])
+        ax.set_xticks(np.arange(len(models)) + w * (len(tasks) - 1) / 2)
+        ax.set_xticklabels([MODEL_NAMES.get(m, m) for m in models])
+        ax.axhline(1.0, color="black", lw=0.8)
+        for t, target in TASK_TARGETS.items():
+            if t in tasks:
+                ax.axhline(target, color=f"C{tasks.index(t)}", lw=0.8, ls="--")
+        ax.set_ylabel("DGL time / granii time (geomean over graphs)")
+        ax.set_title("DGL's example models")
+        ax.legend(fontsize=7)
+    if layers_df is not None:
+        ax = axes[0][ax_i]
+        s = layers_summary(layers_df)
+        ms_ = [m for m in MODEL_ORDER if m in s]
+        x = np.arange(len(ms_))
+        ax.bar(x - 0.2, [s[m]["new"] for m in ms_], 0.4, label="new features each call")
+        ax.bar(x + 0.2, [s[m]["same"] for m in ms_], 0.4, label="same features again")
+        ax.scatter(x - 0.2, [LAYER_TARGETS[m] for m in ms_], marker="_", s=300, color="red",
+                   label="target (new features)", zorder=3)
+        ax.set_xticks(x)
+        ax.set_xticklabels([LAYER_NAMES[m] for m in ms_])
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_yticks([0.5, 1, 1.5, 2, 3, 5, 8, 12])
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_ylabel("DGL time / granii time, 100 calls (geomean)")
+        ax.set_title("Single layers")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(out) / "headline.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def _noise_line(df, col, names):
+    """Geomeans of the steady ratios of medians and of fastest rounds: where they differ much,
+    other processes disturbed the rounds."""
+    ok = valid(df)
+    if "speedup_min" not in ok:
+        return ""
+    cells = [f"{names[k]} {fmt(geomean(g.speedup_steady))} / {fmt(geomean(g.speedup_min))}"
+             for k, g in ok.groupby(col) if k in names]
+    return ("\nSteady state only, ratio of medians / ratio of the fastest rounds (a check against "
+            "preemption by other processes): " + "; ".join(cells) + ".\n")
+
+
+# -- the report -------------------------------------------------------------------------------------
+def _others(*dfs):
+    vals = [v for d in dfs if d is not None and "others_cores" in d
+            for v in pd.to_numeric(d.others_cores, errors="coerce") if np.isfinite(v)]
+    return (float(np.median(vals)), float(np.max(vals))) if vals else (float("nan"),) * 2
+
+
+def machine_lines(out):
+    p = Path(out) / "machine.json"
+    if not p.exists():
+        return ""
+    m = json.loads(p.read_text())
+    v = m.get("versions", {})
+    lines = [f"* CPU: {m.get('cpu')}, {m.get('cores')} cores; torch threads: {m.get('threads')}; "
+             f"OMP_WAIT_POLICY={(m.get('omp') or {}).get('OMP_WAIT_POLICY')}",
+             f"* date: {m.get('date')}; duration: {m.get('duration_min', '?')} min; 1-min load "
+             f"average at start {m.get('load_start')}, at end {m.get('load_end', '?')}",
+             f"* versions: " + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "dgl") if k in v),
+             f"* granii: commit {m.get('commit')}; cost model: {m.get('cost_model')}; native "
+             f"kernels: {m.get('native', '?')}",
+             f"* command: `{m.get('command', '')}`"]
+    if m.get("note"):
+        lines.append(f"* note: {m['note']}")
+    return "\n".join(lines) + "\n"
+
+
+HOW = """\
+## How it is measured
+
+* Models are DGL's examples in their own shapes (`bench/examples.py`): dropout where the example has
+  it, `GATConv` with 8 heads, GraphSAGE with the mean aggregator, 2 layers where the example has 2
+  (GIN: its 4 GIN layers). Graphs: Cora and CiteSeer with their Planetoid features, labels and
+  split; PubMed and GitHub (the largest graph shipped, 37,700 nodes and 615,706 edges with loops)
+  with random features (500 and 128 wide) and labels. One self-loop per node everywhere.
+* DGL's model and the same model after `granii(model, g, x)` (`copy.deepcopy` of one model built
+  with a fixed seed: the same weights) run side by side in one process, 2 torch threads, one
+  round per candidate in turn after a warm-up; each has its own copy of the graph. Times are
+  medians of the rounds; ratios are DGL's time over granii's.
+* Full-batch training: forward in train mode (dropout on), cross-entropy on the training nodes,
+  backward, Adam step; ratio of `first epoch + 199 x median epoch` (DGL's examples run 200
+  epochs; granii's first epoch includes the `granii(...)` call). SGC trains with
+  `SGConv(cached=True)` as DGL's example does, so DGL's own reuse is in its time.
+* Inference: `model.eval()`, `torch.no_grad()`, and each call on a feature tensor no earlier call
+  saw (made outside the timer): nothing that depends on features can be reused, as in every hidden
+  layer. Ratio of `first call + 99 x median call` (100 calls); granii's first call includes
+  `granii(model, g, x0)` on other features. Up to 99 rounds, fewer on the larger graphs
+  (a time budget per configuration). SGC runs uncached here (a cache would return stale results).
+* Mini-batch training: `dgl.dataloading.NeighborSampler` + `DataLoader` (batch 1024, shuffled),
+  the blocks of each batch used once; one epoch per round, sampling included (the `without
+  sampling` column subtracts the time spent in the loader). granii decides on the first block
+  and reuses that decision for later blocks of the same sampler configuration.
+* Single layers: one layer in inference at `(k_in, k_out)` from {32, 128, 512}; `new features`
+  as above, `same features again` passes one tensor every call (granii may keep work on it; for
+  SGConv DGL's column is `SGConv(cached=True)` with the same weights). 100 calls, first call
+  (with `granii(...)`) included.
+* Joint gain: the time of a copy whose selection may not use the project's own (`native`) kernels
+  (composition chosen among DGL's and torch's kernels only) over granii's time with every kernel.
+* Correctness before timing: outputs and, in training, the gradient of every parameter after one
+  seeded forward and backward (the same dropout masks), each optimized copy against DGL's model;
+  a configuration passes when every difference is within 1e-3 of the largest value. A failing
+  configuration is listed below and left out of every mean.
+"""
+
+
+def write(out, command=""):
+    """Write ``report.md`` and ``headline.png`` in ``out``; returns the headline figures."""
+    out = Path(out)
+    models_df = _read(out / "models.csv")
+    layers_df = _read(out / "layers.csv")
+    png = plot(models_df, layers_df, out)
+    md = ["# granii benchmark: DGL's example models as users run them\n\n", machine_lines(out)]
+    med, mx = _others(models_df, layers_df)
+    if np.isfinite(med):
+        md.append(f"* other processes used a median of {med:.2f} cores (max {mx:.2f}) of the 2 "
+                  "while configurations were timed\n")
+    h = {}
+    if models_df is not None:
+        s = models_summary(models_df)
+        h.update({f"models_{t}": s[t]["all"] for t in s})
+        md.append("\n## Headline: DGL time / granii time\n\nGeometric mean over the graphs of "
+                  "each model (configurations that passed the correctness check / measured). "
+                  "Training: 200 epochs with the first; inference: 100 calls on new features "
+                  "with the first; mini-batch: per epoch, sampling included.\n\n")
+        md.append(headline_table(models_df))
+        md.append(_noise_line(models_df, "task", TASKS))
+        if png:
+            md.append(f"\n![headline]({png})\n")
+        for task in TASKS:
+            d = task_detail(models_df, task)
+            if d:
+                md.append(f"\n### {TASKS[task][0].upper() + TASKS[task][1:]}\n\n"
+                          "Times are medians (ms); `joint gain` is the restricted copy's time over "
+                          "granii's (see below).\n\n" + d)
+    if layers_df is not None:
+        s = layers_summary(layers_df)
+        new = valid(layers_df)[valid(layers_df).features == "new"]
+        h["layers_new"] = geomean(new.speedup)
+        h["layers_new_worst"] = float(new.speedup.min()) if len(new) else float("nan")
+        md.append("\n## Single layers: new features each call vs the same features again\n\n"
+                  "DGL time / granii time for 100 calls (first call included), geometric mean "
+                  "over graphs and sizes; `what reuse adds` is the ratio of the two columns.\n\n")
+        md.append(layers_table(layers_df))
+        md.append(_noise_line(layers_df, "features", {"new": "new features",
+                                                      "same": "same features"}))
+        md.append("\nPer configuration (`new / same`):\n\n" + layers_grid(layers_df))
+    jt = joint_table(models_df, layers_df)
+    if jt:
+        md.append("\n## Joint selection vs selection among DGL's and torch's kernels only\n\n"
+                  "Time of the copy restricted to DGL's and torch's kernels over granii's time "
+                  "(above 1: choosing the composition together with the project's own kernels "
+                  "gains that much), geometric mean over graphs (and sizes).\n\n" + jt)
+    fails = []
+    if models_df is not None:
+        fails += failures(models_df, ["model", "graph", "task"])
+    if layers_df is not None:
+        fails += failures(layers_df, ["model", "graph", "k_in", "k_out", "features"])
+    md.append(f"\n## Correctness\n\n{len(fails)} configuration(s) failed their check or raised "
+              "and are left out of every mean" + (":\n\n" + "\n".join(fails) + "\n" if fails
+                                                   else ".\n"))
+    fb = []
+    for d in (models_df, layers_df):
+        if d is not None and "fallbacks" in d:
+            for _, r in d[d.fallbacks.fillna("").astype(str) != ""].iterrows():
+                fb.append(f"* {r.model} {r.graph} {r.get('task', r.get('features', ''))}: "
+                          f"{r.fallbacks}")
+    if fb:
+        md.append("\nLayers that ran DGL's own forward (counted as measured):\n\n"
+                  + "\n".join(fb[:40]) + "\n")
+    md.append("\n" + HOW)
+    (out / "report.md").write_text("".join(md))
+    return h
+
+
+__all__ = ["write", "models_summary", "layers_summary", "geomean", "valid"]

@@ -19,7 +19,7 @@ from torch import nn
 
 from granii import granii
 from models import scaled_tanh
-from test_real_models import assert_close, assert_same_grads, projection, sync
+from test_real_models import RTOL_GRAD, assert_close, assert_same_grads, projection, sync
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None,
                     phases=(Phase.explicit, Phase.generate), print_blob=False,
@@ -135,7 +135,7 @@ def check_against_dgl(make_layer, g, k_in, data, edge_weight_ok=True, input_grad
         for got, want, name in zip(grads[1], grads[0], ("features", "edge weights")):
             assert (got is None) == (want is None), f"{step}: gradient of the {name}"
             if want is not None:
-                assert_close(got, want, f"{step}: gradient of the {name}")
+                assert_close(got, want, f"{step}: gradient of the {name}", RTOL_GRAD)
         sgd_step(ref)
         sync(model, ref)
     model.eval()
@@ -257,4 +257,32 @@ def test_gatconv(graph, k_in, k_out, data):
     make = lambda: GATConv(k_in, k_out, heads, feat_drop=feat_drop, attn_drop=attn_drop,
                            negative_slope=slope, residual=residual, bias=bias, activation=act,
                            allow_zero_in_degree=zero_ok)
+    check_against_dgl(make, g, k_in, data)
+
+
+class Stack(nn.Module):
+    """Two GraphConv layers with their own activations and a dropout between them."""
+
+    def __init__(self, widths, acts, p, zero_ok):
+        super().__init__()
+        self.conv1 = GraphConv(widths[0], widths[1], activation=acts[0],
+                               allow_zero_in_degree=zero_ok)
+        self.conv2 = GraphConv(widths[1], widths[2], activation=acts[1],
+                               allow_zero_in_degree=zero_ok)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, g, x, edge_weight=None):
+        h = self.dropout(self.conv1(g, x, edge_weight=edge_weight))
+        return self.conv2(g, h, edge_weight=edge_weight)
+
+
+@SETTINGS
+@given(graph=graphs(blocks=False), k_in=WIDTHS, k_hidden=WIDTHS, k_out=WIDTHS, data=st.data())
+def test_two_graphconv_layers(graph, k_in, k_hidden, k_out, data):
+    kind, g = graph
+    acts = (data.draw(activations(), label="first activation"),
+            data.draw(activations(), label="second activation"))
+    p = data.draw(DROPOUT, label="dropout")
+    zero_ok = kind != "self_loops"
+    make = lambda: Stack((k_in, k_hidden, k_out), acts, p, zero_ok)
     check_against_dgl(make, g, k_in, data)

@@ -22,12 +22,15 @@ import models
 from models import CASES, CASES_BY_NAME, of_optimized_kind
 
 RTOL = 1e-4
+# A parameter's gradient is a sum over every node or edge (attention vectors, biases, eps), with
+# cancellation: its rounding error relative to its largest entry is a few times an output's.
+RTOL_GRAD = 3e-4
 CALLS = 3
 GRAPHS = {"directed": directed, "undirected": undirected, "zero_in_degree": zero_in_degree}
 
 
 # -- comparing ---------------------------------------------------------------------------------------
-def assert_close(got, want, what):
+def assert_close(got, want, what, rtol=RTOL):
     """Equal up to float re-association: the error is measured against the largest magnitude."""
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, DGL {tuple(want.shape)}"
     nan = torch.isnan(got) != torch.isnan(want)
@@ -36,7 +39,7 @@ def assert_close(got, want, what):
     if not want.numel():
         return
     err = (got.double() - want.double()).abs().max().item()
-    tol = 1e-6 + RTOL * want.abs().max().item()
+    tol = 1e-6 + rtol * want.abs().max().item()
     assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (DGL's largest value " \
                        f"{want.abs().max().item():.3g})"
 
@@ -53,7 +56,7 @@ def assert_same_grads(model, ref, what):
             assert p.grad is None, f"{what}: '{name}' has a gradient, DGL gives it none"
             continue
         assert p.grad is not None, f"{what}: '{name}' has no gradient, DGL gives it one"
-        assert_close(p.grad, q.grad, f"{what}: gradient of '{name}'")
+        assert_close(p.grad, q.grad, f"{what}: gradient of '{name}'", RTOL_GRAD)
 
 
 def assert_same_buffers(model, ref, what):
@@ -88,7 +91,8 @@ def train_side_by_side(run, model, ref, w=None, calls=CALLS, seed=0, what=""):
         if w is not None:
             assert (w_grads[0] is None) == (w_grads[1] is None), f"{step}: edge-weight gradient"
             if w_grads[0] is not None:
-                assert_close(w_grads[1], w_grads[0], f"{step}: gradient of the edge weights")
+                assert_close(w_grads[1], w_grads[0], f"{step}: gradient of the edge weights",
+                             RTOL_GRAD)
         opt.step()
         opt_ref.step()
         assert_same_buffers(model, ref, step)
@@ -342,6 +346,8 @@ def test_graph_edited_in_place_with_the_same_counts(name):
     eval_side_by_side(run, model, ref, what=f"{name} before the edit:")
     counts = (g.num_nodes(), g.num_edges())
     rewire(g)
+    if case.holds_graph:          # the reference holds its own copy of the graph
+        rewire(ref.g)
     assert (g.num_nodes(), g.num_edges()) == counts
     eval_side_by_side(run, model, ref, what=f"{name} after the edit:")
     train_side_by_side(run, model, ref, what=f"{name} after the edit:")

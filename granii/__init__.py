@@ -6,7 +6,7 @@
     granii.explain(model)            # what was chosen and why
     granii.restore(model)            # back to the original layers
 """
-from .api import explain, find_layers, restore
+from .api import explain, find_layers, load_decisions, restore, save_decisions
 from .api import granii as _granii
 
 
@@ -15,6 +15,8 @@ class _Granii:
     explain = staticmethod(explain)
     restore = staticmethod(restore)
     find_layers = staticmethod(find_layers)
+    save_decisions = staticmethod(save_decisions)
+    load_decisions = staticmethod(load_decisions)
 
     def __call__(self, model, graph, feats, **options):
         return _granii(model, graph, feats, **options)
@@ -23,4 +25,4 @@ class _Granii:
 
 
 granii = _Granii()
-__all__ = ["granii", "explain", "restore", "find_layers"]
+__all__ = ["granii", "explain", "restore", "find_layers", "save_decisions", "load_decisions"]

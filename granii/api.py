@@ -7,6 +7,8 @@ so every layer compiles and decides for this input now; that run leaves the mode
 (parameters, buffers, attributes, training flags and the random number generator).
 """
 import inspect
+import json
+import os
 
 import torch
 
@@ -15,6 +17,7 @@ from .explain import explain
 from .plan import plan_code
 from .select import EXPECTED_CALLS
 
+DECISIONS_FORMAT = 1
 _GRAPH_ARG_NAMES = {"graph", "g", "block", "G", "subgraph"}
 
 
@@ -35,7 +38,7 @@ def find_layers(model):
 
 
 def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, inspect_now=True,
-           per_batch=False, reuse_inputs=True, tune=True, deterministic=False):
+           per_batch=False, reuse_inputs=True, tune=True, deterministic=False, decisions=None):
     """Optimize every GNN layer of ``model`` in place and return ``model``.
 
     ``cost_model``: an object with ``predict(prim, impl, gi, dims)``; by default the learned models
@@ -62,14 +65,20 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``) makes no decision
     that depends on a measurement: the same input always gets the same plan.
 
+    ``decisions``: the plans chosen in an earlier run (``save_decisions``), a dict or a file;
+    each layer then runs the saved plan for each call it has one for, without ranking or
+    timing, so a run is repeated exactly and a deployment skips deciding.
+
     Calling ``granii`` again on a model updates the options of its layers (and forgets their
     decisions); layers already optimized are not wrapped twice.
     """
     if cost_model is None:
         from .learned import default_cost_model
         cost_model = default_cost_model()
+    if isinstance(decisions, (str, os.PathLike)):
+        decisions = load_decisions(decisions)
     opts = Options(cost_model, expected_calls, per_batch, reuse_inputs,
-                   tune and not deterministic)
+                   tune and not deterministic and decisions is None, decisions)
     layers = find_layers(model)
     if not layers:
         raise TypeError(f"granii: {type(model).__name__} holds no GNN layer (a module whose "
@@ -153,6 +162,30 @@ def _restore_snapshot(saved):
                                "inspected; pass inspect_now=False")
 
 
+def save_decisions(model, path=None):
+    """The plans the layers of ``model`` chose, per layer and call (signature, sizes, mode), as a
+    dict; written to ``path`` as JSON when given. Load them with ``granii(..., decisions=path)``."""
+    out = {"format": DECISIONS_FORMAT,
+           "layers": {st.name: dict(st.chosen) for st in layer_states(model)}}
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1, sort_keys=True)
+    return out
+
+
+def load_decisions(path):
+    """Decisions saved by ``save_decisions``: ``{layer name: {call: plan}}``."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("format") != DECISIONS_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, expected {DECISIONS_FORMAT}")
+        return data["layers"]
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise ValueError(f"granii: cannot read saved decisions from {path}: {e}. Save them again "
+                         "with granii.save_decisions(model, path) after a run.") from None
+
+
 def restore(model):
     """Undo ``granii(model, ...)``: every layer runs its original forward again."""
     for _, m in model.named_modules():
@@ -161,5 +194,5 @@ def restore(model):
     return model
 
 
-__all__ = ["granii", "restore", "explain", "find_layers", "plan_code", "layer_states",
+__all__ = ["granii", "restore", "explain", "save_decisions", "load_decisions", "find_layers", "plan_code", "layer_states",
            "leaf_vals_order", "prepare"]

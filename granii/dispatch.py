@@ -52,6 +52,7 @@ class Options:
     per_batch: bool = False
     reuse_inputs: bool = True
     tune: bool = True
+    decisions: dict = None       # layer name -> decision_key -> plan, from ``save_decisions``
 
     def model(self):
         if self.cost_model is None:
@@ -77,6 +78,8 @@ class LayerState:
     failed: dict = field(default_factory=dict)       # decision key -> reason a plan raised
     verified: set = field(default_factory=set)       # (decision key, plan) that ran once
     tuned: tuple = None                              # (median seconds per candidate, kept)
+    fallbacks: dict = field(default_factory=dict)    # call shape -> reason, for any input
+    chosen: dict = field(default_factory=dict)       # decision_key -> the plan kept (saved)
 
 
 def new_state(layer, name=None):
@@ -125,6 +128,10 @@ def dispatch(state, options, layer, args, kwargs):
     if state is None:            # unpickled: the state is made on the first call
         disp = layer.__dict__["forward"]
         state = disp.state = new_state(layer, disp._name)
+    shape = _call_shape(args, kwargs)
+    known = state.fallbacks.get(shape)
+    if known is not None and _config_holds(known, layer):
+        return original_forward(layer, args, kwargs)
     try:
         call = prepare(state, layer, args, kwargs, options.reuse_inputs)
     except _UserError:
@@ -133,6 +140,9 @@ def dispatch(state, options, layer, args, kwargs):
         call = f"binding the call failed ({type(e).__name__}: {e})"
     if isinstance(call, str):
         state.fallback = call
+        variant = state.__dict__.pop("_last_variant", None)
+        if isinstance(variant, Exception) and getattr(variant, "spec", None) == []:
+            state.fallbacks[shape] = variant     # the same reason holds for every such call
         return original_forward(layer, args, kwargs)
     mode = (call.training, call.input_grad, call.input_repeats)
     per_graph = state.decisions.get(call.gi)
@@ -157,7 +167,7 @@ def dispatch(state, options, layer, args, kwargs):
     REUSE["inputs"] = options.reuse_inputs
     if isinstance(decision, Trial):
         return _trial_call(state, per_graph, dkey, decision, call, layer, args, kwargs)
-    label, fn, order = decision
+    label, fn, order = decision[:3]
     return _run(state, dkey, label, fn, order, call, layer, args, kwargs)
 
 
@@ -197,9 +207,50 @@ TRIAL_MARGIN = 1.3       # plans predicted within this factor of the best are ti
 TRIAL_ROUNDS = 3         # timed calls per candidate, after one untimed call each
 
 
+def decision_key(call):
+    """What a saved decision is looked up by: signature, sizes and mode (no object identities)."""
+    present, is_block, config = call.key[1:]
+    return repr((sorted(present), is_block, config, sorted(call.symbols.items()),
+                 call.training, call.input_grad, call.input_repeats))
+
+
 def decide(state, options, call):
     """Rank the promoted plans for this call and compile the cheapest: ``(label, fn, leaf order)``;
-    or a ``Trial`` when many calls follow and tuning is on (``granii(..., tune=True)``)."""
+    or a ``Trial`` when many calls follow and tuning is on (``granii(..., tune=True)``); or the
+    decision given by ``granii(..., decisions=...)`` for this call, without ranking."""
+    dk = decision_key(call)
+    preset = (options.decisions or {}).get(state.name, {}).get(dk)
+    if preset is not None:
+        return _preset(state, call, dk, preset)
+    decided = _decide(state, options, call)
+    kept = decided.candidates[0] if isinstance(decided, Trial) else decided
+    state.chosen[dk] = _describe(kept, call)
+    return decided
+
+
+def _describe(decision, call):
+    label = decision[0]
+    if label == ORIGINAL:
+        return {"plan": ORIGINAL}
+    plan = next(p for p in call.compiled.plans if f"[{p.index}]" == label)
+    return {"plan": str(plan.index), "impls": list(decision[3]) if len(decision) > 3 else None,
+            "composition": plan.composition()}
+
+
+def _preset(state, call, dk, preset):
+    if preset["plan"] == ORIGINAL:
+        return (ORIGINAL, None, None)
+    plan = next((p for p in call.compiled.plans if str(p.index) == preset["plan"]), None)
+    if plan is None or preset.get("impls") is None:
+        raise ValueError(f"granii: the saved decision for layer '{state.name}' names plan "
+                         f"{preset['plan']}, which this version of granii does not have for "
+                         "this call: decide again (leave out decisions=)")
+    fn, code = compile_plan(plan, tuple(preset["impls"]))
+    state.chosen[dk] = preset
+    return (f"[{plan.index}]", fn, leaf_vals_order(plan), tuple(preset["impls"]))
+
+
+def _decide(state, options, call):
     model = options.model()
     calls = 1 if call.gi.is_block else options.expected_calls
     ranking = rank(call.compiled.plans, call.gi, call.symbols, model, call.training,
@@ -207,7 +258,7 @@ def decide(state, options, call):
     best = ranking[0]
     fn, code = compile_plan(best.plan, best.impls)
     state.last = (call.symbols, ranking, best, code, call.training, model.name)
-    chosen = (f"[{best.plan.index}]", fn, leaf_vals_order(best.plan))
+    chosen = (f"[{best.plan.index}]", fn, leaf_vals_order(best.plan), best.impls)
     if not _tuning(options, call):
         return chosen
     cands, seen = [chosen], {(best.plan.composition(), best.impls)}
@@ -218,7 +269,7 @@ def decide(state, options, call):
         if what not in seen:
             seen.add(what)
             f, _ = compile_plan(c.plan, c.impls)
-            cands.append((f"[{c.plan.index}]", f, leaf_vals_order(c.plan)))
+            cands.append((f"[{c.plan.index}]", f, leaf_vals_order(c.plan), c.impls))
     cands.append((ORIGINAL, None, None))
     return Trial(cands)
 
@@ -261,7 +312,7 @@ class Trial:
 
 
 def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
-    label, fn, order = trial.next()
+    label, fn, order = trial.next()[:3]
     t0 = time.perf_counter()
     out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
     trial.record(label, time.perf_counter() - t0)
@@ -272,6 +323,7 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
     if trial.settled() or len(trial.candidates) == 1:
         per_graph[dkey] = trial.winner() if trial.times else trial.candidates[0]
         state.tuned = (trial.report(), per_graph[dkey][0])
+        state.chosen[decision_key(call)] = _describe(per_graph[dkey], call)
     return out
 
 
@@ -310,6 +362,7 @@ def prepare(state, module, args, kwargs, reuse_inputs=True):
     gi = graph_info(graph)
     compiled = _variant(state, module, key, values, gi)
     if isinstance(compiled, Exception):
+        state._last_variant = compiled
         return str(compiled)
     _run_guards(state, compiled.layer_ir, gi, values, module)
     leaf_vals, symbols = _bind(state, compiled, gi, values, module)
@@ -322,6 +375,24 @@ def prepare(state, module, args, kwargs, reuse_inputs=True):
     state.last_input = None if ident is None else (weakref.ref(feat), ident)
     return Call(compiled, gi, leaf_vals, symbols, (id(compiled),) + key, training, input_grad,
                 module, repeats)
+
+
+def _call_shape(args, kwargs):
+    """What decides the call signature without binding it: which arguments are given, which
+    are tensors, graph or block."""
+    g = args[0] if args else None
+    return (len(args), tuple(kwargs), tuple(isinstance(a, torch.Tensor) for a in args[2:]),
+            tuple(isinstance(v, torch.Tensor) for v in kwargs.values()),
+            getattr(g, "is_block", None), type(args[1]) if len(args) > 1 else None)
+
+
+def _config_holds(variant, module):
+    from .frontend.rules import config_summary
+    try:
+        return all(config_summary(attribute(module, a)) == v
+                   for a, v in getattr(variant, "config", {}).items())
+    except AttributeError:
+        return False
 
 
 def input_identity(t):

@@ -91,3 +91,33 @@ def test_wrong_feature_width_says_what_to_do():
     granii(layer, g, torch.randn(g.num_nodes(), 12), cost_model=AnalyticalCost())
     with pytest.raises(ValueError, match="in_feats=7"):
         layer(g, torch.randn(g.num_nodes(), 7))
+
+
+def test_saved_decisions_are_run_again_without_deciding(tmp_path, monkeypatch):
+    """A model's decisions saved to a file and given to a fresh copy: the copy runs the same
+    plans, ranks nothing, and gives the same outputs; a damaged file is refused clearly."""
+    import granii.dispatch as dispatch
+    g = _graph()
+    torch.manual_seed(0)
+    model = TwoLayers().eval()
+    fresh = copy.deepcopy(model)
+    x = torch.randn(g.num_nodes(), 12)
+    granii(model, g, x, cost_model=AnalyticalCost(), tune=False)
+    with torch.no_grad():
+        want = model(g, x)
+    path = tmp_path / "decisions.json"
+    saved = granii.save_decisions(model, path)
+    assert all(saved["layers"][st.name] for st in layer_states(model))
+    ranked = []
+    real = dispatch.rank
+    monkeypatch.setattr(dispatch, "rank", lambda *a, **k: ranked.append(1) or real(*a, **k))
+    granii(fresh, g, x, cost_model=AnalyticalCost(), decisions=str(path))
+    with torch.no_grad():
+        got = fresh(g, x)
+    assert not ranked
+    torch.testing.assert_close(got, want)
+    assert [st.last for st in layer_states(fresh)] == [None, None]
+    assert granii.save_decisions(fresh)["layers"] == saved["layers"]
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="save_decisions"):
+        granii(copy.deepcopy(fresh), g, x, decisions=str(path))

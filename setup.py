@@ -23,7 +23,9 @@ Built by ``pip install --no-deps --no-build-isolation -e .`` (``scripts/env.sh``
 builds the extension in place (``granii/_native*.so``). Flags: ``-O3 -march=native`` (built on
 the machine that runs it) and ``-fopenmp`` so ``at::parallel_for`` runs in torch's own OpenMP
 pool (libgomp.so.1 resolves to the copy torch already loaded). ``GRANII_CXXFLAGS`` appends flags
-(experiments); ``GRANII_NO_NATIVE=1`` skips the build. Without torch or a compiler, or if the
+(experiments); ``GRANII_NO_NATIVE=1`` skips the build. ``scripts/env.sh`` rebuilds the extension
+with ``python setup.py build_ext --inplace`` when a file of ``csrc/`` or this file changed: ninja
+(in the lock) recompiles only the changed files in ``build/``. Without torch or a compiler, or if the
 compilation fails, the install still succeeds: the build says why and granii uses its other
 kernels.
 """
@@ -83,10 +85,18 @@ def _native():
 
     flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-unused-parameter"]
     flags += os.environ.get("GRANII_CXXFLAGS", "").split()
-    flags += [f"-DGRANII_SOURCES_SHA=h{sources_sha()}"]
+    # the sources' hash goes to module.cpp alone, through a generated header, so that a change in
+    # one kernel file recompiles that file and module.cpp, not all of them
+    gen_dir = os.path.abspath(os.path.join("build", "granii_generated"))
+    os.makedirs(gen_dir, exist_ok=True)
+    header = os.path.join(gen_dir, "granii_sources_sha.h")
+    text = f'#define GRANII_SOURCES_SHA h{sources_sha()}\n'
+    if not os.path.isfile(header) or open(header).read() != text:
+        with open(header, "w") as f:
+            f.write(text)
     ext = CppExtension(
         NAME, sources,
-        include_dirs=[os.path.abspath(CSRC)],
+        include_dirs=[os.path.abspath(CSRC), gen_dir],
         extra_compile_args={"cxx": flags},
         extra_link_args=["-fopenmp"],
         depends=sorted(glob.glob(os.path.join(CSRC, "*.h"))),

@@ -2,16 +2,43 @@
 # Creates (or refreshes) the project's virtual environment from requirements.lock.
 # Usage: source-free; prints the path of the venv's python on its last line.
 # Re-runs the install only when requirements.lock or pyproject.toml changed since the last install.
+# The install builds granii's native kernels (setup.py: every granii/kernels/csrc/*.cpp into
+# granii._native, in place); when a file of csrc/ or setup.py changed since that build, or the
+# library is missing where a compiler exists, only the extension is rebuilt (incrementally, with
+# ninja, in build/). Without a compiler the install still succeeds and granii uses its other kernels.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${GRANII_VENV:-$root/.venv}"
 stamp="$venv/.granii-lock.sha"
+native_stamp="$venv/.granii-native.sha"
 want="$(cat "$root/requirements.lock" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+native_want="$( (cd "$root" && ls granii/kernels/csrc/*.cpp granii/kernels/csrc/*.h setup.py 2>/dev/null \
+  | LC_ALL=C sort | xargs cat) | sha256sum | cut -d' ' -f1)"
+# ninja (from the lock) must be on PATH for torch's extension builder
+export PATH="$venv/bin:$PATH"
+
+native_status() {
+  if (cd "$root" && "$venv/bin/python" -c "import granii._native" >/dev/null 2>&1); then
+    echo "granii: native kernels built (granii/_native)" >&2
+  else
+    echo "granii: native kernels NOT available (no C++ compiler, or the build failed: see" \
+         "'cd $root && $venv/bin/python setup.py build_ext --inplace'); granii uses its DGL/torch kernels" >&2
+  fi
+}
+
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "granii: setting up $venv from requirements.lock (first time: about 3-5 minutes)..." >&2
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$root/requirements.lock" >&2
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$root" >&2
   echo "$want" > "$stamp"
+  echo "$native_want" > "$native_stamp"
+  native_status
+elif [ "$(cat "$native_stamp" 2>/dev/null)" != "$native_want" ] || \
+     { ! ls "$root"/granii/_native*.so >/dev/null 2>&1 && command -v "${CXX:-c++}" >/dev/null; }; then
+  echo "granii: building the native kernels (granii/kernels/csrc changed)..." >&2
+  (cd "$root" && "$venv/bin/python" setup.py -q build_ext --inplace >&2) || true
+  echo "$native_want" > "$native_stamp"
+  native_status
 fi
 echo "$venv/bin/python"

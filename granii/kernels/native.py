@@ -138,57 +138,79 @@ def _op(idx, x, val=None, rs=None, cs=None, bias=None, act=0):
                                      idx.eids if val is not None else None, rs, cs, bias, act)
 
 
-def _rows(t, n):
-    return t.reshape(n, 1, 1)
+_OTHER = {"a": "at", "at": "a"}
 
 
 class _SpmmFn(torch.autograd.Function):
-    """``Y = act(diag(d_dst) A_w diag(d_src) X + bias)`` and its gradients in all tensor inputs.
+    """``Y = act(diag(r) M_w diag(c) X + bias)`` with ``M`` = ``A`` (``which="a"``) or ``A^T``,
+    and its gradients in all tensor inputs.
 
-    ``x`` ``(num_src, H, K)``; ``w`` ``(E, H)`` or None; ``d_dst``/``d_src`` vectors or None;
+    ``x`` ``(cols, H, K)``; ``w`` ``(E, H)`` in edge-id order or None; ``r``/``c`` vectors or None;
     ``bias`` ``(H * K,)`` or None. Backward (``P`` = gradient before the activation):
-    ``dX = diag(d_src) A_w^T diag(d_dst) P`` (the same kernel on ``A^T``, scales swapped),
-    ``dw_e = d_dst[v] d_src[u] <P[v], X[u]>``, ``dbias = sum_v P[v]``,
-    ``dd_dst[v] = <P[v], (A_w diag(d_src) X)[v]>``, ``dd_src[u] = <X[u], (A_w^T diag(d_dst) P)[u]>``.
+    ``dX = diag(c) M_w^T diag(r) P`` (the same kernel on the transpose, scales swapped),
+    ``dw_e = r[v] c[u] <P[v], X[u]>``, ``dbias = sum_v P[v]``,
+    ``dr[v] = <P[v], (M_w diag(c) X)[v]>``, ``dc[u] = <X[u], (M_w^T diag(r) P)[u]>``.
+    The backward is made of these functions again, so double backward works too.
     """
 
     @staticmethod
-    def forward(ctx, x, w, d_dst, d_src, bias, gi, act):
-        y = _op(csr_index(gi, "a"), x, w, d_dst, d_src, bias, act)
-        ctx.gi, ctx.act = gi, act
+    def forward(ctx, x, w, r, c, bias, gi, act, which):
+        y = _op(csr_index(gi, which), x, w, r, c, bias, act)
+        ctx.gi, ctx.act, ctx.which = gi, act, which
         need_x = ctx.needs_input_grad[1] or ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        ctx.save_for_backward(x if need_x else None, w, d_dst, d_src, y if act else None)
+        ctx.save_for_backward(x if need_x else None, w, r, c, y if act else None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, d_dst, d_src, y = ctx.saved_tensors
-        gi = ctx.gi
+        x, w, r, c, y = ctx.saved_tensors
+        gi, which = ctx.gi, ctx.which
+        other = _OTHER[which]
         p = dy.contiguous()
         if ctx.act:
             p = torch.ops.aten.threshold_backward(p, y, 0)
-        dx = dw = dd_dst = dd_src = dbias = None
-        need_x, need_w, need_dd, need_ds, need_b = ctx.needs_input_grad[:5]
-        at = csr_index(gi, "at") if (need_x or need_ds) else None
-        if need_ds:
-            g = _op(at, p, w, None, d_dst)        # A_w^T diag(d_dst) P
-            dd_src = (x * g).sum(dim=(1, 2))
+        dx = dw = dr = dc = dbias = None
+        need_x, need_w, need_r, need_c, need_b = ctx.needs_input_grad[:5]
+        if need_c:
+            g = _SpmmFn.apply(p, w, None, r, None, gi, 0, other)        # M_w^T diag(r) P
+            dc = (x * g).sum(dim=(1, 2))
             if need_x:
-                dx = g * _rows(d_src, g.shape[0]) if d_src is not None else g
+                dx = g * c.reshape(-1, 1, 1) if c is not None else g
         elif need_x:
-            dx = _op(at, p, w, d_src, d_dst)
-        if need_dd:
-            s = _op(csr_index(gi, "a"), x, w, None, d_src)     # A_w diag(d_src) X
-            dd_dst = (p * s).sum(dim=(1, 2))
+            dx = _SpmmFn.apply(p, w, c, r, None, gi, 0, other)
+        if need_r:
+            s = _SpmmFn.apply(x, w, None, c, None, gi, 0, which)        # M_w diag(c) X
+            dr = (p * s).sum(dim=(1, 2))
         if need_w:
-            pv = p if d_dst is None else p * _rows(d_dst, p.shape[0])
-            xu = x if d_src is None else x * _rows(d_src, x.shape[0])
-            a = csr_index(gi, "a")
-            dw = torch.ops.granii.sddmm_dot_csr(a.indptr, a.indices, a.eids, pv.contiguous(),
-                                                xu.contiguous())
+            pv = p if r is None else p * r.reshape(-1, 1, 1)
+            xu = x if c is None else x * c.reshape(-1, 1, 1)
+            dw = _SddmmFn.apply(pv.contiguous(), xu.contiguous(), gi, which)
         if need_b:
             dbias = p.sum(dim=0).reshape(-1)
-        return dx, dw, dd_dst, dd_src, dbias, None, None
+        return dx, dw, dr, dc, dbias, None, None, None
+
+
+class _SddmmFn(torch.autograd.Function):
+    """``out[e, h] = <a[row_e, h], b[col_e, h]>`` over the entries of ``M`` (``A`` or ``A^T``), in
+    edge-id order; gradients ``da = M_g b``, ``db = M_g^T a`` (``g``: the incoming edge gradient)."""
+
+    @staticmethod
+    def forward(ctx, a, b, gi, which):
+        idx = csr_index(gi, which)
+        ctx.save_for_backward(a, b)
+        ctx.gi, ctx.which = gi, which
+        return torch.ops.granii.sddmm_dot_csr(idx.indptr, idx.indices, idx.eids, a, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        g = g.contiguous()
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = _SpmmFn.apply(b, g, None, None, None, ctx.gi, 0, ctx.which)
+        if ctx.needs_input_grad[1]:
+            db = _SpmmFn.apply(a, g, None, None, None, ctx.gi, 0, _OTHER[ctx.which])
+        return da, db, None, None
 
 
 def _vec(d, n, dtype, what):
@@ -223,7 +245,7 @@ def _run(gi, x, w=None, heads=1, d_dst=None, d_src=None, bias=None, act=0):
                              f"{x3.shape[1] * x3.shape[2]} (the width of x)")
         bias = bias.reshape(-1).to(dt).contiguous()
     y = _SpmmFn.apply(x3, w, _vec(d_dst, gi.num_dst, dt, "d_dst"),
-                      _vec(d_src, gi.num_src, dt, "d_src"), bias, gi, act)
+                      _vec(d_src, gi.num_src, dt, "d_src"), bias, gi, act, "a")
     return y.reshape(gi.num_dst, *x.shape[1:])
 
 

@@ -34,6 +34,9 @@ constexpr int64_t kActRelu = 1;
 #ifndef GRANII_SPMM_TILE
 #define GRANII_SPMM_TILE 64
 #endif
+#ifndef GRANII_FBLOCK
+#define GRANII_FBLOCK 0
+#endif
 #ifndef GRANII_PREFETCH
 #define GRANII_PREFETCH 0
 #endif
@@ -54,27 +57,63 @@ struct SpmmArgs {
   scalar_t* y;            // (rows, H, K)
 };
 
+// Vector registers as GCC/Clang vector types (the compiler maps them onto SSE, AVX2 or AVX-512,
+// whatever -march allows). Left to itself, GCC vectorised the tile loops across nonzeros with
+// gathers and kept the accumulator on the stack; explicit vectors keep it in registers.
+template <typename T, int L>
+struct Vec;
+#define GRANII_VEC(T, L) \
+  template <>            \
+  struct Vec<T, L> {     \
+    typedef T type __attribute__((vector_size(sizeof(T) * L), aligned(sizeof(T)), may_alias)); \
+  };
+GRANII_VEC(float, 16)
+GRANII_VEC(float, 8)
+GRANII_VEC(float, 4)
+GRANII_VEC(double, 8)
+GRANII_VEC(double, 4)
+GRANII_VEC(double, 2)
+#undef GRANII_VEC
+template <typename T>
+struct Vec<T, 1> {
+  typedef T type;
+};
+
+// Lanes per vector for a tile of TW features: up to 64 bytes, at least 16 bytes, else scalar.
+template <typename T, int TW>
+constexpr int lanes() {
+  constexpr int full = 64 / static_cast<int>(sizeof(T));
+  constexpr int l = TW < full ? TW : full;
+  return l * static_cast<int>(sizeof(T)) >= 16 ? l : 1;
+}
+
 // One tile of TW features of one (partial) row: out[0:TW] = sum_j s_j * x[col_j, 0:TW] with
-// s_j = val[j] * cs[col_j] (either factor may be absent); then, if fin, the epilogue.
+// s_j = val[j] * cs[col_j] (either factor may be absent); then, if fin, the epilogue
+// act(acc * rsv + bias).
 template <int TW, bool HV, bool HC, typename scalar_t, typename index_t>
 inline void tile(const SpmmArgs<scalar_t, index_t>& a, const scalar_t* __restrict x,
                  const scalar_t* __restrict val, int64_t e0, int64_t e1,
                  scalar_t* __restrict out, bool fin, scalar_t rsv,
                  const scalar_t* __restrict bias) {
+  constexpr int L = lanes<scalar_t, TW>();
+  constexpr int NV = TW / L;
+  static_assert(NV * L == TW, "tile width must be a multiple of the vector lanes");
+  using vec = typename Vec<scalar_t, L>::type;
   const index_t* __restrict col = a.indices;
   const index_t* __restrict vperm = a.vperm;
   const scalar_t* __restrict cs = a.cs;
   const int64_t F = a.F, H = a.H;
-  scalar_t acc[TW];
-  for (int f = 0; f < TW; ++f) acc[f] = 0;
+  vec acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = vec{} ;
   for (int64_t j = e0; j < e1; ++j) {
     const int64_t c = col[j];
-    const scalar_t* __restrict xr = x + c * F;
+    const vec* xr = reinterpret_cast<const vec*>(x + c * F);
 #if GRANII_PREFETCH > 0
     if (j + GRANII_PREFETCH < e1) {
-      const scalar_t* xp = x + static_cast<int64_t>(col[j + GRANII_PREFETCH]) * F;
-      for (int f = 0; f < TW; f += 64 / static_cast<int>(sizeof(scalar_t)))
-        __builtin_prefetch(xp + f);
+      const char* xp = reinterpret_cast<const char*>(
+          x + static_cast<int64_t>(col[j + GRANII_PREFETCH]) * F);
+      for (int b = 0; b < TW * static_cast<int>(sizeof(scalar_t)); b += 64)
+        __builtin_prefetch(xp + b);
     }
 #endif
     if constexpr (HV || HC) {
@@ -85,24 +124,24 @@ inline void tile(const SpmmArgs<scalar_t, index_t>& a, const scalar_t* __restric
       } else {
         s = cs[c];
       }
-#pragma omp simd
-      for (int f = 0; f < TW; ++f) acc[f] += s * xr[f];
+      for (int i = 0; i < NV; ++i) acc[i] += s * xr[i];
     } else {
-#pragma omp simd
-      for (int f = 0; f < TW; ++f) acc[f] += xr[f];
+      for (int i = 0; i < NV; ++i) acc[i] += xr[i];
     }
   }
   if (fin) {
     if (bias) {
-      for (int f = 0; f < TW; ++f) acc[f] = acc[f] * rsv + bias[f];
+      const vec* b = reinterpret_cast<const vec*>(bias);
+      for (int i = 0; i < NV; ++i) acc[i] = acc[i] * rsv + b[i];
     } else {
-      for (int f = 0; f < TW; ++f) acc[f] *= rsv;
+      for (int i = 0; i < NV; ++i) acc[i] *= rsv;
     }
     if (a.act == kActRelu) {
-      for (int f = 0; f < TW; ++f) acc[f] = acc[f] < 0 ? scalar_t(0) : acc[f];
+      for (int i = 0; i < NV; ++i) acc[i] = acc[i] < 0 ? vec{} : acc[i];
     }
   }
-  for (int f = 0; f < TW; ++f) out[f] = acc[f];
+  vec* o = reinterpret_cast<vec*>(out);
+  for (int i = 0; i < NV; ++i) o[i] = acc[i];
 }
 
 // Features [f0, f0 + width) of one head: the widest tiles first, then the remainder.
@@ -134,17 +173,6 @@ inline void head_segment(const SpmmArgs<scalar_t, index_t>& a, int64_t f0, int64
 #undef GRANII_TILE
 }
 
-// Nonzeros [e0, e1) of row r into out (a row of F values): the complete row with its epilogue
-// (fin) or a partial sum.
-template <bool HV, bool HC, typename scalar_t, typename index_t>
-inline void row_segment(const SpmmArgs<scalar_t, index_t>& a, int64_t r, int64_t e0, int64_t e1,
-                        scalar_t* out, bool fin) {
-  const scalar_t rsv = (fin && a.rs) ? a.rs[r] : scalar_t(1);
-  for (int64_t h = 0; h < a.H; ++h) {
-    head_segment<HV, HC>(a, h * a.K, a.K, a.val ? a.val + h : nullptr, e0, e1, out, fin, rsv);
-  }
-}
-
 template <typename scalar_t>
 inline void epilogue(scalar_t* out, int64_t F, scalar_t rsv, const scalar_t* bias, int64_t act) {
   for (int64_t f = 0; f < F; ++f) {
@@ -153,31 +181,53 @@ inline void epilogue(scalar_t* out, int64_t F, scalar_t rsv, const scalar_t* bia
   }
 }
 
+// Feature block width (in elements) of the outer feature loop: each part walks its rows once per
+// block, so the rows of x it gathers (n_cols x block) stay in cache for large widths.
+template <typename scalar_t>
+inline int64_t feature_block(int64_t requested, int64_t n_cols, int64_t K) {
+  if (requested > 0) return requested;
+#if GRANII_FBLOCK > 0
+  return GRANII_FBLOCK;
+#else
+  (void)n_cols;
+  return K;
+#endif
+}
+
 template <bool HV, bool HC, typename scalar_t, typename index_t>
-void spmm_run(const SpmmArgs<scalar_t, index_t>& a, int64_t parts) {
+void spmm_run(const SpmmArgs<scalar_t, index_t>& a, int64_t parts, int64_t block) {
   const index_t* indptr = a.indptr;
-  const int64_t F = a.F;
+  const int64_t F = a.F, K = a.K;
   // partial sums of rows split between parts: at most two per part
   std::vector<scalar_t> carry(parts > 1 ? parts * 2 * F : 0);
   std::vector<int64_t> carry_row(parts > 1 ? parts * 2 : 0, -1);
   for_each_part(parts, indptr, a.rows, a.nnz, [&](int64_t p, Coord b, Coord e) {
-    int slot = 0;
-    for (int64_t r = b.row; r < e.row; ++r) {
-      const int64_t start = indptr[r], stop = indptr[r + 1];
-      if (start >= b.nz) {
-        row_segment<HV, HC>(a, r, start, stop, a.y + r * F, true);
-      } else {  // began in an earlier part
-        carry_row[p * 2 + slot] = r;
-        row_segment<HV, HC>(a, r, b.nz, stop, carry.data() + (p * 2 + slot) * F, false);
-        ++slot;
-      }
-    }
-    if (e.row < a.rows) {  // a row that continues in a later part
-      const int64_t r = e.row;
-      const int64_t start = std::max<int64_t>(indptr[r], b.nz);
-      if (e.nz > start) {
-        carry_row[p * 2 + slot] = r;
-        row_segment<HV, HC>(a, r, start, e.nz, carry.data() + (p * 2 + slot) * F, false);
+    for (int64_t h = 0; h < a.H; ++h) {
+      const scalar_t* val = a.val ? a.val + h : nullptr;
+      for (int64_t f0 = 0; f0 < K; f0 += block) {
+        const int64_t off = h * K + f0, width = std::min(block, K - f0);
+        int slot = 0;
+        for (int64_t r = b.row; r < e.row; ++r) {
+          const int64_t start = indptr[r], stop = indptr[r + 1];
+          if (start >= b.nz) {
+            head_segment<HV, HC>(a, off, width, val, start, stop, a.y + r * F, true,
+                                 a.rs ? a.rs[r] : scalar_t(1));
+          } else {  // began in an earlier part
+            carry_row[p * 2 + slot] = r;
+            head_segment<HV, HC>(a, off, width, val, b.nz, stop,
+                                 carry.data() + (p * 2 + slot) * F, false, scalar_t(1));
+            ++slot;
+          }
+        }
+        if (e.row < a.rows) {  // a row that continues in a later part
+          const int64_t r = e.row;
+          const int64_t start = std::max<int64_t>(indptr[r], b.nz);
+          if (e.nz > start) {
+            carry_row[p * 2 + slot] = r;
+            head_segment<HV, HC>(a, off, width, val, start, e.nz,
+                                 carry.data() + (p * 2 + slot) * F, false, scalar_t(1));
+          }
+        }
       }
     }
   });
@@ -260,14 +310,15 @@ at::Tensor spmm_csr(const at::Tensor& indptr, const at::Tensor& indices, const a
           act,
           y.data_ptr<scalar_t>()};
       const int64_t p = num_parts(parts, rows, nnz, H * K);
+      const int64_t fb = feature_block<scalar_t>(0, ncols, K);
       if (a.val && a.cs) {
-        spmm_run<true, true>(a, p);
+        spmm_run<true, true>(a, p, fb);
       } else if (a.val) {
-        spmm_run<true, false>(a, p);
+        spmm_run<true, false>(a, p, fb);
       } else if (a.cs) {
-        spmm_run<false, true>(a, p);
+        spmm_run<false, true>(a, p, fb);
       } else {
-        spmm_run<false, false>(a, p);
+        spmm_run<false, false>(a, p, fb);
       }
     });
   });

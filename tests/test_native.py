@@ -1,0 +1,427 @@
+"""granii's native SpMM kernels (``granii/kernels/native.py``, ``csrc/spmm.cpp``): built where a
+compiler exists; outputs and gradients against dense float64 references and DGL's ops on random
+graphs, a real graph, empty rows, one huge row, self-loops, duplicate edges and sampled blocks; the
+merge-path split of long rows; float32/float64, multi-head; gradcheck; 1 and 2 threads; forked
+DataLoader workers; the fallback without the extension."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dgl
+import pytest
+import torch
+
+from granii import kernels
+from granii.datasets import load_graph
+from granii.graph import graph_info
+from granii.kernels import native
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPILER = shutil.which("c++") or shutil.which("g++")
+needs_native = pytest.mark.skipif(not native.AVAILABLE, reason="native kernels not built")
+
+
+def test_extension_built_where_a_compiler_exists():
+    if not COMPILER:
+        pytest.skip("no C++ compiler: the extension is optional")
+    assert native.AVAILABLE, f"a compiler exists ({COMPILER}) but granii._native did not load: " \
+                             f"{native.LOAD_ERROR}"
+    import granii._native as mod
+    assert mod.sources_sha[1:] == native.sources_sha(), \
+        "granii._native is stale (built from other sources): run bash scripts/env.sh"
+    for prim in ("spmm", "spmm_weighted", "spmm_mean", "spmm_norm"):
+        assert "native" in kernels.implementations(prim)
+
+
+# -- graphs --------------------------------------------------------------------------------------
+def _random(seed=0):
+    return dgl.rand_graph(40, 240)
+
+
+def _empty_rows(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 50, (160,), generator=gen)
+    v = torch.randint(0, 20, (160,), generator=gen)        # 30 destinations without in-edges
+    return dgl.graph((u, v), num_nodes=50)
+
+
+def _huge_row(seed=0):
+    """Node 3 receives 600 of 700 edges (a row longer than every part of the merge path)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 60, (700,), generator=gen)
+    v = torch.cat([torch.full((600,), 3), torch.randint(0, 60, (100,), generator=gen)])
+    perm = torch.randperm(700, generator=gen)
+    return dgl.graph((u[perm], v[perm]), num_nodes=60)
+
+
+def _loops_and_duplicates(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 30, (120,), generator=gen)
+    v = torch.randint(0, 30, (120,), generator=gen)
+    loops = torch.arange(30)
+    return dgl.graph((torch.cat([u, u[:40], loops]), torch.cat([v, v[:40], loops])), num_nodes=30)
+
+
+def _block(seed=0):
+    dgl.seed(seed)
+    g = dgl.rand_graph(80, 600)
+    seeds = torch.arange(15)
+    blk = dgl.to_block(dgl.sampling.sample_neighbors(g, seeds, 6), seeds)
+    assert blk.num_src_nodes() > blk.num_dst_nodes()
+    return blk
+
+
+def _cora(seed=0):
+    return load_graph("cora")
+
+
+GRAPHS = {"random": _random, "empty_rows": _empty_rows, "huge_row": _huge_row,
+          "loops_dups": _loops_and_duplicates, "block": _block, "cora": _cora}
+
+
+@pytest.fixture(scope="module", params=sorted(GRAPHS))
+def graph(request):
+    """Every graph, the real one included (tests against DGL and the spmm_norm reference)."""
+    torch.manual_seed(0)
+    return GRAPHS[request.param]()
+
+
+@pytest.fixture(scope="module", params=sorted(set(GRAPHS) - {"cora"}))
+def small(request):
+    """The small graphs: dense references of every width, dtype and head count."""
+    torch.manual_seed(0)
+    return GRAPHS[request.param]()
+
+
+def _dense(g, w=None):
+    """``A_w`` as a dense float64 ``(num_dst, num_src[, H])`` tensor; duplicate edges add up."""
+    u, v = g.edges(order="eid")
+    w = torch.ones(g.num_edges(), dtype=torch.float64) if w is None else w.double()
+    a = torch.zeros(g.num_dst_nodes(), g.num_src_nodes(), *w.shape[1:], dtype=torch.float64)
+    return a.index_put((v, u), w, accumulate=True)
+
+
+def _tol(dtype):
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-9, "rtol": 1e-9}
+
+
+def _compare(fn, ref, inputs, dtype):
+    """``fn`` on ``inputs`` in ``dtype`` against ``ref`` in float64: values and all gradients."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+    leaves64 = [t.detach().double().requires_grad_() for t in inputs]
+    y, y_ref = fn(*leaves), ref(*leaves64)
+    assert y.dtype == dtype and y.shape == y_ref.shape
+    torch.testing.assert_close(y.double(), y_ref, **_tol(dtype))
+    gy = torch.randn_like(y_ref)
+    grads = torch.autograd.grad(y, leaves, gy.to(dtype))
+    grads_ref = torch.autograd.grad(y_ref, leaves64, gy)
+    for got, want in zip(grads, grads_ref):
+        torch.testing.assert_close(got.double(), want, **_tol(dtype))
+
+
+DTYPES = [torch.float32, torch.float64]
+
+
+# -- against dense references ----------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_spmm_and_mean(small, dtype):
+    graph = small
+    gi, a = graph_info(graph), _dense(graph)
+    deg = a.sum(1).clamp(min=1)
+    for k in (1, 7, 16, 37, 130):
+        x = torch.randn(graph.num_src_nodes(), k)
+        _compare(lambda x: native.spmm_native(gi, x), lambda x: a @ x, [x], dtype)
+        _compare(lambda x: native.spmm_mean_native(gi, x), lambda x: (a @ x) / deg[:, None],
+                 [x], dtype)
+    x = torch.randn(graph.num_src_nodes(), 3, 5)           # trailing dims kept
+    _compare(lambda x: native.spmm_native(gi, x), lambda x: torch.einsum("vu,u...->v...", a, x),
+             [x], dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [0, 1, 4])
+def test_spmm_weighted(small, dtype, heads):
+    """``heads=0``: ``w`` of shape ``(E,)``; else ``(E, H)`` with ``x`` ``(n, H, K)``; grads to both."""
+    graph = small
+    gi, e, n = graph_info(graph), graph.num_edges(), graph.num_src_nodes()
+    w = torch.rand(e) + 0.1 if heads == 0 else torch.rand(e, heads) + 0.1
+    x = torch.randn(n, 12) if heads == 0 else torch.randn(n, heads, 9)
+    if heads == 0:
+        ref = lambda w, x: _dense(graph, w) @ x
+    else:
+        ref = lambda w, x: torch.einsum("vuh,uhk->vhk", _dense_grad(graph, w), x)
+    _compare(lambda w, x: native.spmm_weighted_native(gi, w, x), ref, [w, x], dtype)
+    if heads:     # DGL's shape (E, H, 1) too
+        y = native.spmm_weighted_native(gi, w.to(dtype)[..., None], x.to(dtype))
+        torch.testing.assert_close(y.double(), ref(w.double(), x.double()), **_tol(dtype))
+
+
+def _dense_grad(g, w):
+    """``_dense`` differentiable in ``w``."""
+    u, v = g.edges(order="eid")
+    a = torch.zeros(g.num_dst_nodes(), g.num_src_nodes(), *w.shape[1:], dtype=w.dtype)
+    return a.index_put((v, u), w, accumulate=True)
+
+
+def test_dense_reference_is_differentiable():
+    g = _random()
+    w = torch.rand(g.num_edges(), dtype=torch.float64, requires_grad=True)
+    _dense_grad(g, w).sum().backward()
+    assert torch.allclose(w.grad, torch.ones_like(w))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", [None, "relu"])
+def test_spmm_norm(graph, dtype, act):
+    """``act(D_dst A D_src X + bias)``, gradients to x, both degree vectors and bias."""
+    gi, a = graph_info(graph), _dense(graph)
+    d_dst = graph.in_degrees().double().clamp(min=1).pow(-0.5)
+    d_src = graph.out_degrees().double().clamp(min=1).pow(-0.5)
+    x, bias = torch.randn(graph.num_src_nodes(), 20), torch.randn(20)
+
+    def ref(x, dd, ds, b):
+        y = dd[:, None] * (a @ (ds[:, None] * x)) + b
+        return torch.relu(y) if act else y
+
+    fn = lambda x, dd, ds, b: native.spmm_norm_native(gi, dd, ds, x, b, act)
+    _compare(fn, ref, [x, d_dst, d_src, bias], dtype)
+    for impl in kernels.implementations("spmm_norm"):           # native, torch, dgl agree
+        _compare(lambda x, dd, ds, b, f=kernels.get("spmm_norm", impl): f(gi, dd, ds, x, b, act),
+                 ref, [x, d_dst, d_src, bias], dtype)
+
+
+@needs_native
+def test_spmm_norm_variants():
+    g = _empty_rows()
+    gi, a = graph_info(g), _dense(g)
+    x = torch.randn(g.num_src_nodes(), 3, 4, dtype=torch.float64)
+    for da, db in [(0, 0), (-1, 0), (0, -1), (-0.5, -0.5), (-1, -1)]:
+        dd, ds = native.degree_scales(gi, da, db, torch.float64)
+        assert native.degree_scales(gi, da, db, torch.float64)[0] is dd     # once per graph
+        want = torch.einsum("vu,uhk->vhk", a, x * (ds[:, None, None] if ds is not None else 1))
+        want = want * (dd[:, None, None] if dd is not None else 1)
+        for b in (None, torch.randn(3, 4, dtype=torch.float64)):
+            got = native.spmm_norm_native(gi, dd, ds, x, b, torch.relu)
+            torch.testing.assert_close(got, torch.relu(want + (0 if b is None else b)))
+    with pytest.raises(ValueError):
+        native.spmm_norm_native(gi, None, None, x, act="gelu")
+    with pytest.raises(ValueError):
+        native.spmm_norm_native(gi, torch.ones(3), None, x)
+
+
+# -- against DGL -----------------------------------------------------------------------------------
+@needs_native
+def test_against_dgl(graph):
+    gi = graph_info(graph)
+    n, e = graph.num_src_nodes(), graph.num_edges()
+    x = torch.randn(n, 32, requires_grad=True)
+    w = (torch.rand(e) + 0.1).requires_grad_()
+    wh = (torch.rand(e, 4, 1) + 0.1).requires_grad_()
+    xh = torch.randn(n, 4, 8, requires_grad=True)
+    pairs = [
+        (lambda: native.spmm_native(gi, x), lambda: dgl.ops.copy_u_sum(graph, x), [x]),
+        (lambda: native.spmm_mean_native(gi, x), lambda: dgl.ops.copy_u_mean(graph, x), [x]),
+        (lambda: native.spmm_weighted_native(gi, w, x),
+         lambda: dgl.ops.u_mul_e_sum(graph, x, w), [w, x]),
+        (lambda: native.spmm_weighted_native(gi, wh, xh),
+         lambda: dgl.ops.u_mul_e_sum(graph, xh, wh), [wh, xh]),
+    ]
+    for mine, theirs, inputs in pairs:
+        y, y_dgl = mine(), theirs()
+        torch.testing.assert_close(y, y_dgl, atol=1e-4, rtol=1e-4)
+        gy = torch.randn_like(y)
+        for g1, g2 in zip(torch.autograd.grad(y, inputs, gy), torch.autograd.grad(y_dgl, inputs, gy)):
+            torch.testing.assert_close(g1, g2, atol=1e-4, rtol=1e-4)
+    # the edge-value gradient is DGL's u_dot_v in edge order
+    a, at = native.csr_index(gi, "a"), native.csr_index(gi, "at")
+    dy = torch.randn(graph.num_dst_nodes(), 4, 8)
+    dw = torch.ops.granii.sddmm_dot_csr(a.indptr, a.indices, a.eids, dy, xh.detach())
+    torch.testing.assert_close(dw, dgl.ops.u_dot_v(graph, xh.detach(), dy).squeeze(-1))
+    assert at.rows == graph.num_src_nodes() and at.cols == graph.num_dst_nodes()
+
+
+# -- merge-path partition, index types, tile widths -----------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_rows_every_part_count(dtype):
+    """Forced part counts split the huge row between parts; the epilogue runs once on the sum."""
+    g = _huge_row()
+    gi, a = graph_info(g), _dense(g)
+    idx = native.csr_index(gi)
+    n = g.num_nodes()
+    rs, cs = torch.rand(n, dtype=torch.float64), torch.rand(n, dtype=torch.float64)
+    x, bias = torch.randn(n, 2, 19, dtype=torch.float64), torch.randn(38, dtype=torch.float64)
+    w = torch.rand(g.num_edges(), 2, dtype=torch.float64)
+    aw = _dense(g, w)
+    want = torch.relu(rs[:, None, None] * torch.einsum("vuh,uhk->vhk", aw, cs[:, None, None] * x)
+                      + bias.reshape(2, 19))
+    want_plain = torch.einsum("vu,uhk->vhk", a, x)
+    for parts in (1, 2, 3, 5, 8, 33, 200, 2000):
+        cast = lambda t: t.to(dtype)
+        got = torch.ops.granii.spmm_csr(idx.indptr, idx.indices, cast(x), cast(w), idx.eids,
+                                        cast(rs), cast(cs), cast(bias), 1, parts)
+        torch.testing.assert_close(got.double(), want, **_tol(dtype))
+        got = torch.ops.granii.spmm_csr(idx.indptr, idx.indices, cast(x), parts=parts)
+        torch.testing.assert_close(got.double(), want_plain, **_tol(dtype))
+        dy = torch.randn(n, 2, 19, dtype=dtype)
+        dw = torch.ops.granii.sddmm_dot_csr(idx.indptr, idx.indices, idx.eids, dy, cast(x), parts)
+        torch.testing.assert_close(dw, dgl.ops.u_dot_v(g, cast(x), dy).squeeze(-1), **_tol(dtype))
+
+
+@needs_native
+def test_int64_indices_and_widths():
+    g = _loops_and_duplicates()
+    gi, a = graph_info(g), _dense(g)
+    idx = native.csr_index(gi)
+    assert idx.indptr.dtype == torch.int32
+    ip64, ix64 = idx.indptr.long(), idx.indices.long()
+    for k in (1, 2, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 129, 200):
+        x = torch.randn(g.num_nodes(), 1, k, dtype=torch.float64)
+        want = torch.einsum("vu,uhk->vhk", a, x)
+        torch.testing.assert_close(torch.ops.granii.spmm_csr(idx.indptr, idx.indices, x), want)
+        torch.testing.assert_close(torch.ops.granii.spmm_csr(ip64, ix64, x), want)
+        torch.testing.assert_close(torch.ops.granii.spmm_csr(idx.indptr, idx.indices, x.float()),
+                                   want.float(), atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_operator_checks():
+    g = _random()
+    idx = native.csr_index(graph_info(g))
+    x = torch.randn(g.num_nodes(), 1, 4)
+    with pytest.raises(RuntimeError):
+        torch.ops.granii.spmm_csr(idx.indptr, idx.indices, x.double(), torch.ones(g.num_edges(), 1))
+    with pytest.raises(RuntimeError):
+        torch.ops.granii.spmm_csr(idx.indptr, idx.indices.long(), x)
+    with pytest.raises(RuntimeError):
+        torch.ops.granii.spmm_csr(idx.indptr, idx.indices, x, act=2)
+    with pytest.raises(ValueError):
+        native.spmm_weighted_native(graph_info(g), torch.rand(g.num_edges(), 3), torch.randn(40, 4))
+
+
+@needs_native
+def test_empty_graph_and_zero_width():
+    g = dgl.graph((torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long)),
+                  num_nodes=5)
+    gi = graph_info(g)
+    x = torch.randn(5, 3, requires_grad=True)
+    y = native.spmm_norm_native(gi, torch.ones(5), torch.ones(5), x, torch.ones(3), "relu")
+    assert torch.equal(y, torch.ones(5, 3))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros(5, 3))
+    w = torch.rand(0, requires_grad=True)
+    assert native.spmm_weighted_native(gi, w, x).abs().sum() == 0
+    assert native.spmm_native(graph_info(_random()), torch.randn(40, 0)).shape == (40, 0)
+
+
+# -- gradcheck ------------------------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("name", ["random", "block", "huge_row"])
+def test_gradcheck(name):
+    g = GRAPHS[name]()
+    if name == "huge_row":      # keep gradcheck small: a hub of 40 in-edges among 60 edges
+        v = torch.cat([torch.full((40,), 2), torch.randint(0, 12, (20,))])
+        g = dgl.graph((torch.randint(0, 12, (60,)), v), num_nodes=12)
+    gi = graph_info(g)
+    n, m, e = g.num_src_nodes(), g.num_dst_nodes(), g.num_edges()
+    f64 = dict(dtype=torch.float64, requires_grad=True)
+    x, w = torch.randn(n, 3, **f64), torch.rand(e, **f64)
+    xh, wh = torch.randn(n, 2, 3, **f64), torch.rand(e, 2, **f64)
+    dd, ds, b = torch.rand(m, **f64), torch.rand(n, **f64), torch.randn(3, **f64)
+    assert torch.autograd.gradcheck(lambda x: native.spmm_native(gi, x), (x,))
+    assert torch.autograd.gradcheck(lambda x: native.spmm_mean_native(gi, x), (x,))
+    assert torch.autograd.gradcheck(lambda w, x: native.spmm_weighted_native(gi, w, x), (w, x))
+    assert torch.autograd.gradcheck(lambda w, x: native.spmm_weighted_native(gi, w, x), (wh, xh))
+    assert torch.autograd.gradcheck(
+        lambda x, dd, ds, b: native.spmm_norm_native(gi, dd, ds, x, b, "relu"), (x, dd, ds, b))
+    assert torch.autograd.gradgradcheck(lambda x: native.spmm_native(gi, x), (x,))
+    assert torch.autograd.gradgradcheck(lambda w, x: native.spmm_weighted_native(gi, w, x), (wh, xh))
+    assert torch.autograd.gradgradcheck(
+        lambda x, dd, ds, b: native.spmm_norm_native(gi, dd, ds, x, b), (x, dd, ds, b))
+
+
+# -- threads and processes ----------------------------------------------------------------------------
+@needs_native
+def test_thread_counts():
+    g = _huge_row()
+    gi = graph_info(g)
+    x = torch.randn(g.num_nodes(), 300, requires_grad=True)     # large enough to go parallel
+    w = torch.rand(g.num_edges(), requires_grad=True)
+    dd, ds = native.degree_scales(gi, -0.5, -0.5)
+    before = torch.get_num_threads()
+    results = {}
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.ops.granii.parallel_threads() == t
+            ys = [native.spmm_weighted_native(gi, w, x), native.spmm_norm_native(gi, dd, ds, x)]
+            grads = torch.autograd.grad(sum(y.square().sum() for y in ys), [x, w])
+            results[t] = ys + list(grads)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(results[1], results[2]):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-4)
+
+
+class _Aggregate(torch.utils.data.Dataset):
+    def __init__(self, g):
+        self.g = g
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        x = torch.randn(self.g.num_nodes(), 64)
+        return native.spmm_native(graph_info(self.g), x).sum()
+
+
+@needs_native
+def test_forked_dataloader_workers_do_not_hang():
+    g = _huge_row()
+    native.spmm_native(graph_info(g), torch.randn(g.num_nodes(), 512))   # parent uses the pool
+    code = (
+        "import torch, sys; sys.path.insert(0, %r)\n"
+        "from test_native import _Aggregate, _huge_row, native, graph_info\n"
+        "g = _huge_row(); torch.set_num_threads(2)\n"
+        "native.spmm_native(graph_info(g), torch.randn(g.num_nodes(), 512))\n"
+        "dl = torch.utils.data.DataLoader(_Aggregate(g), batch_size=2, num_workers=2,\n"
+        "                                 multiprocessing_context='fork')\n"
+        "print(len(list(dl)))\n" % str(ROOT / "tests"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("2")
+
+
+# -- without the extension ------------------------------------------------------------------------------
+def test_without_extension_says_so_once_and_registers_nothing():
+    code = (
+        "import sys, warnings\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'granii._native': raise ImportError('blocked for the test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import granii.kernels as k\n"
+        "    import granii.kernels.native as n\n"
+        "    import granii.api\n"
+        "msgs = [str(w.message) for w in caught if 'native kernels unavailable' in str(w.message)]\n"
+        "print(len(msgs), n.AVAILABLE, k.implementations('spmm'), k.implementations('spmm_norm'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "1 False ['dgl', 'torch_csr'] ['dgl', 'torch']", out.stdout
+
+
+def test_setup_without_compiler_succeeds():
+    env = dict(os.environ, CXX="/nonexistent/c++")
+    out = subprocess.run([sys.executable, "setup.py", "--dry-run", "build_ext"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "native kernels not built: no C++ compiler" in out.stderr

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .enumerate import TooManyTrees, layer_forest
+from .enumerate import TooManyTrees, binary_orders, layer_forest
 from .fuse import fused_variants
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .graph import graph_info
@@ -39,9 +39,11 @@ from .select import EXPECTED_CALLS, rank
 class Compiled:
     """The offline stage of one layer for one call signature."""
     layer_ir: object
-    n_trees: int
-    plans: list
+    n_trees: int                                     # association trees enumerated
+    plans: list                                      # promoted plans, then their fused variants
     leaves: dict = field(default_factory=dict)       # variable -> Leaf, over every plan
+    n_promoted: int = 0                              # plans that survived pruning
+    n_orders: int = 0                                # binary association orders in all
 
 
 @dataclass
@@ -473,12 +475,13 @@ def compile_layer(module, present, is_block, real=None):
         err = _failure("enumeration or lowering", e)
         err.spec, err.config = lir.spec, lir.config
         return err
+    n_promoted = len(promoted)
     try:
         promoted += [f for plan in promoted for f in fused_variants(plan)]
     except Exception as e:       # noqa: BLE001 - the unfused plans still hold
         warnings.warn(f"granii: fusing the plans of {type(module).__name__} failed ({e})")
     leaves = {v: l for plan in promoted for v, l in plan.leaves.items()}
-    return Compiled(lir, n_trees, promoted, leaves)
+    return Compiled(lir, n_trees, promoted, leaves, n_promoted, binary_orders(lir.root))
 
 
 def _failure(stage, e):

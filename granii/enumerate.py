@@ -212,6 +212,22 @@ def layer_forest(root):
     return forest, total
 
 
+def binary_orders(root):
+    """How many ways there are to parenthesise every product of the layer, in every split,
+    distributed and factored form, before any tree is merged, deduplicated or dropped: the sum
+    over forms of the product over its products of Catalan(n - 1) for n factors. ``layer_forest``
+    enumerates fewer (merged n-ary steps, dominated sub-products of long products dropped early);
+    ``explain`` reports both."""
+    if max((len(p.args) for p in products(root)), default=0) > LONG_PRODUCT:
+        variants = [root]
+    else:
+        variants = [f for c in ir.split_cat_variants(root) for d in ir.distribute_variants(c)
+                    for f in ir.factor_variants(d)]
+    return sum(math.prod(math.comb(2 * (len(p.args) - 1), len(p.args) - 1) // len(p.args)
+                         for p in dict.fromkeys(products(v)))
+               for v in dict.fromkeys(variants))
+
+
 def _combine(options, limit):
     """One tree from each of ``options`` in every way; dominated partial choices are dropped
     whenever there are more than ``limit``."""

@@ -48,9 +48,10 @@ def _explain_layer(st, out):
         p("  leaves:")
         for leaf in {l.name: l for l in ir.leaves(comp.layer_ir.root)}.values():
             p(f"    {leaf.name:<12} [{leaf.rows} x {leaf.cols}] {leaf.kind}/{leaf.sub}")
-        n_prom = len(comp.plans)
-        p(f"  association trees: {comp.n_trees} enumerated, {comp.n_trees - n_prom} pruned "
-          f"offline, {n_prom} promoted")
+        n_prom = comp.n_promoted or len(comp.plans)
+        p(f"  association trees: {comp.n_trees} enumerated ({comp.n_orders} binary association "
+          f"orders in all), {comp.n_trees - n_prom} pruned offline, {n_prom} promoted"
+          + (f"; {len(comp.plans) - n_prom} fused variants" if len(comp.plans) > n_prom else ""))
         for plan in comp.plans:
             p(f"    [{plan.index}] scenarios {'/'.join(plan.scenarios):<6} {plan.composition()}")
             p(f"        {plan.trees()}")

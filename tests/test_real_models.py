@@ -161,6 +161,18 @@ def test_eval_matches_dgl(case, graph_kind):
 
 
 # -- two models, copies, pickles ----------------------------------------------------------------------
+def scale_parameters(model, factor):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(factor)
+
+
+def set_dropout(model, p):
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = p
+
+
 def test_two_models_of_one_class_each_use_their_own_dropout():
     g = undirected()
     x = features(g, 12)
@@ -175,24 +187,16 @@ def test_two_models_of_one_class_each_use_their_own_dropout():
     for seed in range(2):      # interleaved: the second model built after the first ran
         for i, (model, ref) in enumerate(pairs):
             train_side_by_side(run, model, ref, seed=10 * seed, what=f"GAT number {i + 1}:")
+    for i, (model, ref) in enumerate(pairs):      # dropout changed after granii()
+        set_dropout(model, 0.5)
+        set_dropout(ref, 0.5)
+        train_side_by_side(run, model, ref, seed=20, what=f"GAT number {i + 1}, p=0.5:")
     for p, (model, ref) in zip((0.3, 0.9), pairs):
         torch.manual_seed(0)
         other = models.GraphSAGE(12, models.HIDDEN, models.CLASSES, feat_drop=p)
         other_ref = copy.deepcopy(other)
         granii(other, g, x)
         train_side_by_side(run, other, other_ref, what=f"GraphSAGE feat_drop={p}:")
-
-
-def scale_parameters(model, factor):
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(factor)
-
-
-def set_dropout(model, p):
-    for m in model.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = p
 
 
 @pytest.mark.parametrize("name", ["gcn", "gat", "mixhop", "jknet_cat", "dagnn", "gin", "tagcn"])

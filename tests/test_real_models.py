@@ -13,11 +13,10 @@ import dgl
 import numpy as np
 import pytest
 import torch
-from dgl.nn import GraphConv
 from torch import nn
 
 from granii import granii
-from graphs import block, directed, edge_weights, undirected, zero_in_degree
+from graphs import directed, edge_weights, undirected, zero_in_degree
 import models
 from models import CASES, CASES_BY_NAME, of_optimized_kind
 
@@ -133,7 +132,7 @@ def features(g, k, seed=1):
     return torch.randn(g.num_src_nodes(), k, generator=gen)
 
 
-def setup(case, graph_kind, seed=0):
+def build_case(case, graph_kind, seed=0):
     """(runner, model wrapped by granii, reference, graph, features, edge weights)."""
     g = GRAPHS[graph_kind]()
     x = features(g, case.in_feats)
@@ -150,13 +149,13 @@ CASE_GRAPHS = [pytest.param(c, k, id=f"{c.name}-{k}") for c in CASES for k in c.
 
 @pytest.mark.parametrize("case,graph_kind", CASE_GRAPHS)
 def test_training_matches_dgl(case, graph_kind):
-    run, model, ref, g, x, w = setup(case, graph_kind)
+    run, model, ref, g, x, w = build_case(case, graph_kind)
     train_side_by_side(run, model, ref, w, what=f"{case.name} on {graph_kind}:")
 
 
 @pytest.mark.parametrize("case,graph_kind", CASE_GRAPHS)
 def test_eval_matches_dgl(case, graph_kind):
-    run, model, ref, g, x, w = setup(case, graph_kind)
+    run, model, ref, g, x, w = build_case(case, graph_kind)
     eval_side_by_side(run, model, ref, w, what=f"{case.name} on {graph_kind}:")
 
 
@@ -202,7 +201,7 @@ def test_two_models_of_one_class_each_use_their_own_dropout():
 @pytest.mark.parametrize("name", ["gcn", "gat", "mixhop", "jknet_cat", "dagnn", "gin", "tagcn"])
 def test_deepcopy_of_an_optimized_model_uses_its_own_parameters_and_dropout(name):
     case = CASES_BY_NAME[name]
-    run, model, ref, g, x, w = setup(case, "undirected")
+    run, model, ref, g, x, w = build_case(case, "undirected")
     train_side_by_side(run, model, ref, w, calls=1, what=f"{name} before the copy:")
     dup, dup_ref = copy.deepcopy(model), copy.deepcopy(ref)
     scale_parameters(dup, 1.5)
@@ -221,7 +220,7 @@ def test_deepcopy_of_an_optimized_model_uses_its_own_parameters_and_dropout(name
 @pytest.mark.parametrize("name", ["gcn", "gat", "graphsage", "gin", "mixhop", "dagnn", "appnp"])
 def test_torch_save_and_load_of_an_optimized_model(name):
     case = CASES_BY_NAME[name]
-    run, model, ref, g, x, w = setup(case, "undirected")
+    run, model, ref, g, x, w = build_case(case, "undirected")
     train_side_by_side(run, model, ref, w, calls=1, what=f"{name} before saving:")
     buf = io.BytesIO()
     torch.save(model, buf)
@@ -238,7 +237,7 @@ def test_torch_save_and_load_of_an_optimized_model(name):
 @pytest.mark.parametrize("name", ["gcn", "gat", "graphsage", "sgc", "user_layers", "tagcn", "gin"])
 def test_inference_mode(name):
     case = CASES_BY_NAME[name]
-    run, model, ref, g, x, w = setup(case, "undirected")
+    run, model, ref, g, x, w = build_case(case, "undirected")
     model.eval()
     ref.eval()
     with torch.inference_mode():
@@ -257,7 +256,7 @@ def wrapped_layer_names(model):
 @pytest.mark.parametrize("name", ["gcn", "gat", "tagcn", "mixhop"])
 def test_granii_twice(name):
     case = CASES_BY_NAME[name]
-    run, model, ref, g, x, w = setup(case, "undirected")
+    run, model, ref, g, x, w = build_case(case, "undirected")
     first = wrapped_layer_names(model)
     assert first and "" not in first
     granii(model, g, x)
@@ -269,7 +268,7 @@ def test_granii_twice(name):
 @pytest.mark.parametrize("name", ["gcn", "gat", "gin", "tagcn"])
 def test_restore_gives_back_dgl_layers(name):
     case = CASES_BY_NAME[name]
-    run, model, ref, g, x, w = setup(case, "undirected")
+    run, model, ref, g, x, w = build_case(case, "undirected")
     train_side_by_side(run, model, ref, w, calls=1, what=f"{name} optimized:")
     granii.restore(model)
     assert wrapped_layer_names(model) == []
@@ -364,7 +363,7 @@ FEATURE_MODELS = ["gcn", "sgc", "tagcn", "user_layers", "appnp"]
 def test_features_changed_in_place_are_seen(name):
     """Writes autograd sees (in-place ops on the tensor) are always noticed."""
     case = CASES_BY_NAME[name]
-    run, model, ref, g, x, w = setup(case, "undirected")
+    run, model, ref, g, x, w = build_case(case, "undirected")
     for change in (lambda: x.mul_(2), lambda: x[:5].fill_(0.5), lambda: x.add_(1)):
         eval_side_by_side(run, model, ref, what=f"{name} before the change:")
         change()
@@ -453,7 +452,7 @@ def test_most_layers_of_the_optimized_kinds_run_an_optimized_plan():
     from granii.api import layer_states
     counted, optimized, why = 0, 0, []
     for case in CASES:
-        run, model, ref, g, x, w = setup(case, "undirected")
+        run, model, ref, g, x, w = build_case(case, "undirected")
         states = {id(s.module): s for s in layer_states(model)}
         layers = {id(m): (n, m) for n, m in model.named_modules() if of_optimized_kind(m)}
         ran = {k: True for k in layers}

@@ -262,6 +262,7 @@ class Trees:
 # -- the cost model ---------------------------------------------------------------------------------
 _TOKENS = itertools.count()
 _WARNED = set()
+_ROOFLINE = AnalyticalCost()
 
 
 def _warn_once(msg, stacklevel=3):
@@ -345,6 +346,8 @@ class LearnedCost:
         return self._predict("train", prim, impl, gi, dims, True)
 
     def _predict(self, phase, prim, impl, gi, dims, warn):
+        if prim not in MODEL_SIZES:      # add, cat, row_slice, diag_mul: never profiled
+            return _ROOFLINE.predict(prim, impl, gi, dims) if phase == "forward" else None
         trees = self.trees if phase == "forward" else self.train_trees
         if (prim, impl) not in trees:
             if phase == "train" and (prim, impl) in self.trees:

@@ -102,10 +102,10 @@ def _heads(plan):
 
 def _predict(model, prim, impl, gi, dims, heads, phase="forward"):
     """Predicted seconds of one call. With several attention heads, edge scores and softmax
-    carry ``heads`` values per edge; a weighted SpMM over heads is one call of the full width
+    carry ``heads`` values per edge (the fused GAT aggregation too, over ``k`` columns); a weighted SpMM over heads is one call of the full width
     ``k`` in both implementations (DGL's native heads; torch's interleaved CSR product with
     ``heads`` values per edge on rows of ``k / heads``: the same multiply-adds)."""
-    if heads > 1 and prim in ("sddmm_add", "edge_softmax"):
+    if heads > 1 and prim in ("sddmm_add", "edge_softmax", "gat_aggregate"):
         dims = dict(dims, heads=heads)
     if phase == "forward":
         return model.predict(prim, impl, gi, dims)

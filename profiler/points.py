@@ -86,17 +86,17 @@ def quick_config():
 
 def full_config():
     """An hour or more on two cores: the full corpus up to 4 M edges, sizes 16..1024, both phases,
-    a GEMM grid of 8 x 8 x 8; contended points waited for and measured again once."""
+    a GEMM grid of 6 x 6 x 6; contended points waited for and measured again once."""
     names = [n for n, _ in gen.corpus("full")]
     names = [n for n in names if _approx_edges(n) <= 4e6]
     return Config("full", graphs=names, ks=[16, 32, 128, 256, 1024],
                   heads=[1, 4, 8], gat_f=[8, 64], blocks_every=3,
-                  gemm_m=[int(m) for m in np.geomspace(100, 2e6, 8).round(-1)],
-                  gemm_kn=[16, 32, 64, 128, 256, 512, 1024, 100],
-                  row_n=[int(m) for m in np.geomspace(100, 4e6, 8).round(-1)],
-                  row_k=[16, 64, 256, 1024, 100],
-                  warmup=2, repeat=5, repeat_fast=9, budget=0.6, max_call=0.4, max_wait=1.0,
-                  wait_budget=240.0, retries=1)
+                  gemm_m=[int(m) for m in np.geomspace(300, 1e6, 6).round(-1)],
+                  gemm_kn=[16, 32, 128, 256, 1024, 100],
+                  row_n=[int(m) for m in np.geomspace(300, 3e6, 6).round(-1)],
+                  row_k=[16, 64, 256, 1024],
+                  warmup=1, repeat=5, repeat_fast=9, budget=0.5, max_call=0.4, max_wait=0.5,
+                  wait_budget=120.0, retries=1)
 
 
 def _approx_edges(name):

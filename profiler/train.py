@@ -1,7 +1,7 @@
 """Training: one XGBoost regressor per (primitive, implementation, phase) from a profiling run's
 records: phase "forward" (one call without autograd) and "train" (forward and backward).
 
-Target ``log(seconds)`` (``target_seconds``: the lower quartile of a point's rounds) with base margin ``log(baseline seconds)`` (``granii.learned``);
+Target ``log(seconds)`` (``target_seconds``: the fastest of a point's rounds) with base margin ``log(baseline seconds)`` (``granii.learned``);
 features ``granii.learned.model_features``, computed for the recorded graphs from their stored
 graph features so training and prediction share one code path. Scores: the points are split by
 graph (``GroupShuffleSplit``, a quarter of the graphs held out; for the dense primitives by ``m``
@@ -14,7 +14,6 @@ import datetime
 import json
 import math
 import shutil
-import statistics
 from pathlib import Path
 
 import numpy as np
@@ -101,15 +100,12 @@ def usable(records, prim, impl, phase="forward"):
 
 
 def target_seconds(r):
-    """What a model learns from a record: the lower quartile of its rounds (the fastest with
-    fewer than 4). A round is the kernel's time plus any wait for a core another process held;
-    waits only add, so the lower rounds are the kernel's."""
-    samples = sorted(r.get("samples") or [])
-    if not samples:
-        return r["median"]
-    if len(samples) < 4:
-        return samples[0]
-    return max(statistics.quantiles(samples, n=4)[0], 1e-9)
+    """What a model learns from a record: its fastest round. A round is the kernel's time plus
+    any wait for a core another process held (a descheduled thread of a parallel region waits a
+    scheduler slice); waits only add, so the fastest round is closest to the kernel's own time,
+    and it is biased alike at every point, which keeps the comparisons the models make."""
+    samples = r.get("samples") or []
+    return max(min(samples), 1e-9) if samples else r["median"]
 
 
 def dataset(records, views, prim, impl, phase="forward"):

@@ -388,7 +388,112 @@ def report(path, info, prim_table, choice, regret, models):
     Path(path).write_text("\n".join(lines) + "\n")
 
 
+def heldout_markdown(manifest):
+    """Held-out accuracy of every model of a folder (from its manifest: a quarter of the graphs,
+    or of the dense grid's rows, left out of a fit on the rest)."""
+    lines = ["| model | phase | points | graphs | held-out MAPE | held-out Spearman | train MAPE |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for key, e in sorted(manifest["models"].items()):
+        prim, _, rest = key.partition("/")
+        impl, _, phase = rest.partition("/")
+        v = e.get("validation") or {}
+        lines.append(f"| {prim}/{impl} | {phase or 'forward'} | {e['points']} | {e['graphs']} | "
+                     f"{_f(v.get('mape'), '.0%')} | {_f(v.get('spearman'), '.3f')} | "
+                     f"{_f(e['train']['mape'], '.0%')} |")
+    return lines
+
+
+def selection_models(threads, here_dir, foreign_dirs):
+    """The cost models compared at ``threads``: this machine's own (when they exist for this
+    thread count), each foreign folder rescaled by this machine's calibration, the calibrated
+    and the bare analytical model. Returns ``({label: model}, notes)``."""
+    from granii import calibration, learned
+    fp = machine_fingerprint(threads)
+    here_cal = calibration.this_machine(fp)
+    lazy = learned._Lazy(lambda: here_cal)
+    models, notes = {}, []
+    own = models_dir() / fingerprint_id(fp) if here_dir is None else here_dir
+    try:
+        models["here"] = load(own, fp)
+        notes.append(f"here: {own.name}, trained on this machine at {threads} threads")
+    except Exception as e:           # noqa: BLE001 - reported, the others still compared
+        notes.append(f"here: none at {threads} threads ({str(e)[:120]})")
+    for d in foreign_dirs:
+        m = load(d, check=False)
+        fid = m.manifest["fingerprint_id"]
+        theirs = m.manifest["fingerprint"]
+        label = f"from_{fid}"
+        learned.transferred([m], lazy)
+        models[label] = m
+        src = "measured at its init" if m.manifest.get("calibration") else \
+            "derived from its own models' predictions of the reference calls"
+        notes.append(f"{label}: models of {theirs.get('cpu_model')} at {theirs.get('threads')} "
+                     f"threads, rescaled by this machine's calibration (theirs {src}); ratios "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in m.transfer.summary().items() if v))
+    models["analytical_cal"] = AnalyticalCost(name="analytical (calibrated)",
+                                              **calibration.analytical_rates(here_cal["times"]))
+    models["analytical"] = AnalyticalCost()
+    notes.append("analytical_cal: the roofline with this machine's calibrated rates; analytical: "
+                 "the roofline with its hand-set rates")
+    notes.append(f"calibration at {threads} threads: " + ", ".join(
+        f"{k} {v * 1e3:.2f} ms" for k, v in here_cal["times"].items()))
+    return models, notes
+
+
+def selection_main(args):
+    """Part 3: measure the candidates of four layers (``--measure``) and/or write the regret
+    report of every model (``--report``)."""
+    import json
+    threads = fix_threads(args.threads)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "selection_times.jsonl"
+    log = lambda msg: print(msg, flush=True)
+    if args.measure:
+        probe = Probe()
+        log(f"granii: timing the candidates of {', '.join(LAYERS)} at {threads} threads")
+        measure_layers(args.graphs or LAYER_GRAPHS, LAYERS, LAYER_SIZES, args.modes, probe,
+                       args.wait, log, path, threads)
+    if not args.report:
+        return 0
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r["threads"] == threads]
+    foreign = [p for p in args.transfer_from]
+    models, notes = selection_models(threads, args.models, foreign)
+    contended = sum(r["contended"] for r in rows)
+    lines = []
+    for metric, what in (("min_times", "fastest of 3 rounds, wall clock"),
+                         ("cpu_times", "least process CPU time of 3 rounds"),
+                         ("times", "median of 3 rounds, wall clock")):
+        choices = layer_choices(rows, models, metric)
+        write_csv(out / f"selection_{threads}t_{metric}.csv", choices)
+        lines += regret_markdown(
+            choices, models, f"{threads} thread{'s' if threads > 1 else ''}: {what}",
+            f"{len(rows)} configurations ({contended} timed while the contention probe was "
+            "above its threshold). regret = time(chosen candidate) / time(fastest candidate), "
+            "candidates timed side by side in turn.") + [""]
+    lines += [f"- {n}" for n in notes]
+    (out / f"selection_{threads}t.md").write_text("\n".join(lines) + "\n")
+    log("\n".join(lines))
+    return 0
+
+
 def main(argv=None):
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "selection":
+        ap = argparse.ArgumentParser(prog="validate_costmodels selection")
+        ap.add_argument("--measure", action="store_true")
+        ap.add_argument("--report", action="store_true")
+        ap.add_argument("--threads", type=int, default=2)
+        ap.add_argument("--graphs", nargs="+", choices=GRAPHS)
+        ap.add_argument("--modes", nargs="+", default=["infer", "train"])
+        ap.add_argument("--models", type=Path, help="this machine's model folder")
+        ap.add_argument("--transfer-from", nargs="*", type=Path, default=[],
+                        help="model folders of other machines to use with the calibration")
+        ap.add_argument("--out", type=Path, default=ROOT / "results" / "costmodels")
+        ap.add_argument("--wait", type=float, default=2.0)
+        return selection_main(ap.parse_args(argv[1:]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", type=Path, help="model folder (default: this machine's)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "costmodels")
@@ -430,6 +535,234 @@ def main(argv=None):
         log(f"  {m:<10} regret geomean {geomean(v):.3f}  worst {max(v):.2f}")
     log(f"granii: report in {args.out / 'report.md'} ({info['seconds'] / 60:.1f} min)")
     return 0
+
+
+
+# -- part 3: selection regret of four layers, models of this machine against transferred ones -----
+LAYERS = ("GraphConv", "GIN", "SAGE", "GAT")
+LAYER_SIZES = ((32, 256), (256, 32), (256, 256))
+LAYER_GRAPHS = ("cora", "citeseer", "pubmed", "us-power-grid", "wing-mesh", "github-social")
+
+
+def make_layer(name, k_in, k_out):
+    """DGL's layer ``name`` from ``k_in`` to ``k_out`` features (GAT: 4 heads of ``k_out / 4``)."""
+    from dgl.nn import GATConv, GINConv, GraphConv, SAGEConv
+    torch.manual_seed(0)
+    if name == "GraphConv":
+        return GraphConv(k_in, k_out, norm="both", allow_zero_in_degree=True)
+    if name == "GIN":
+        return GINConv(torch.nn.Linear(k_in, k_out), "sum")
+    if name == "SAGE":
+        return SAGEConv(k_in, k_out, "mean")
+    if name == "GAT":
+        return GATConv(k_in, k_out // 4, 4, allow_zero_in_degree=True)
+    raise ValueError(name)
+
+
+def prepared(layer, g, k_in, mode):
+    """The bound call of ``layer`` as a hidden layer (features needing a gradient in training,
+    new features at each call in inference)."""
+    feat = torch.randn(g.num_nodes(), k_in, generator=torch.Generator().manual_seed(1))
+    if mode == "train":
+        layer.train()
+        feat.requires_grad_(True)
+        call = prepare(_state(layer), layer, (g, feat), {})
+    else:
+        layer.eval()
+        with torch.no_grad():
+            call = prepare(_state(layer), layer, (g, feat), {})
+    if isinstance(call, str):
+        raise RuntimeError(f"granii: {type(layer).__name__} not optimized: {call}")
+    return call, feat
+
+
+def candidates(call):
+    """``{(plan index, implementations): plan, impls}`` the selector chooses among (the plans of
+    the call's scenario, every combination of kernel implementations of their every-call steps)."""
+    scen = scenario(call.symbols)
+    out = {}
+    for plan in call.compiled.plans:
+        if scen is not None and scen not in plan.scenarios:
+            continue
+        for impls in itertools.product(*(_impl_options(s) for s in plan.steps)):
+            out[(plan.index, impls)] = (plan, impls)
+    return out
+
+
+def candidate_fns(call, layer, feat, mode):
+    fns = {}
+    params = [p for p in layer.parameters() if p.requires_grad]
+    for key, (plan, impls) in candidates(call).items():
+        fn, _ = compile_plan(plan, impls)
+        args = _lead_args(fn, call) + [call.leaf_vals[v] for v in leaf_vals_order(plan)]
+        if mode == "train":
+            with torch.enable_grad():
+                dy = torch.randn_like(fn(*args))
+
+            def run(fn=fn, args=args, dy=dy, gi=call.gi):
+                _drop_inputs(gi)
+                with torch.enable_grad():
+                    out = fn(*args)
+                    return torch.autograd.grad(out, [feat] + params, dy, allow_unused=True)
+        else:
+            def run(fn=fn, args=args, gi=call.gi):
+                _drop_inputs(gi)
+                with torch.no_grad():
+                    return fn(*args)
+        fns[key] = run
+    return fns
+
+
+def _key_text(key):
+    index, impls = key
+    return f"{index}|{','.join(impls)}"
+
+
+def two_clocks(fns, repeat=3):
+    """``({name: wall seconds per round}, {name: process CPU seconds per round})``, the
+    candidates run in turn each round. With other processes on the cores the wall time holds
+    waits for a core; the CPU time of a one-thread run does not (it is the work alone)."""
+    wall = {k: [] for k in fns}
+    cpu = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            w, c = time.perf_counter(), time.process_time()
+            fn()
+            cpu[k].append(time.process_time() - c)
+            wall[k].append(time.perf_counter() - w)
+    return wall, cpu
+
+
+def gat_subset(cands):
+    """GAT's candidates worth timing when all are too many: every fused one, and the unfused ones
+    whose edge scores and softmax use one library (any aggregation)."""
+    keep = []
+    for key, (plan, impls) in cands.items():
+        edge = {i for st, i in zip(plan.steps, impls) if st.prim in ("sddmm_add", "edge_softmax")}
+        if len(edge) <= 1:
+            keep.append(key)
+    return keep
+
+
+def measure_layers(graphs, layers, sizes, modes, probe, wait, log, out_path, threads, repeat=3):
+    """Time every candidate of every configuration side by side; one JSON line per configuration
+    (appended to ``out_path``) with ``{candidate: median seconds}`` and DGL's own layer."""
+    import json
+    done = set()
+    if out_path.is_file():
+        for line in out_path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            done.add((r["layer"], r["graph"], r["k_in"], r["k_out"], r["mode"], r["threads"]))
+    for gname in graphs:
+        g = load_graph(gname)
+        for lname, (k_in, k_out), mode in itertools.product(layers, sizes, modes):
+            if (lname, gname, k_in, k_out, mode, threads) in done:
+                continue
+            t0 = time.perf_counter()
+            layer = make_layer(lname, k_in, k_out)
+            call, feat = prepared(layer, g, k_in, mode)
+            fns = candidate_fns(call, layer, feat, mode)
+            if lname == "GAT":
+                fns = {k: fns[k] for k in gat_subset(candidates(call))}
+            fns = {_key_text(k): f for k, f in fns.items()}
+            params = [p for p in layer.parameters() if p.requires_grad]
+            if mode == "train":
+                with torch.enable_grad():
+                    dy = torch.randn_like(layer(g, feat).reshape(g.num_nodes(), -1))
+
+                def dgl_run(layer=layer, feat=feat, dy=dy):
+                    with torch.enable_grad():
+                        out = layer(g, feat).reshape(g.num_nodes(), -1)
+                        return torch.autograd.grad(out, [feat] + params, dy, allow_unused=True)
+            else:
+                def dgl_run(layer=layer, feat=feat):
+                    with torch.no_grad():
+                        return layer(g, feat)
+            fns["dgl-layer"] = dgl_run
+            failed = {}
+            for k, fn in list(fns.items()):
+                try:
+                    fn()
+                except (RuntimeError, ValueError, TypeError) as e:
+                    failed[k] = f"{type(e).__name__}: {str(e)[:120]}"
+                    del fns[k]
+            before, _ = probe.wait_quiet(wait)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*is in beta")
+                wall, cpu = two_clocks(fns, repeat=repeat)
+            contended = max(before, probe.seconds()) > probe.threshold
+            row = {"layer": lname, "graph": gname, "k_in": k_in, "k_out": k_out, "mode": mode,
+                   "threads": threads, "contended": contended,
+                   "times": {k: statistics.median(v) for k, v in wall.items()},
+                   "min_times": {k: min(v) for k, v in wall.items()},
+                   "cpu_times": {k: min(v) for k, v in cpu.items()}, "failed": failed}
+            with open(out_path, "a") as f:
+                f.write(json.dumps(row, sort_keys=True) + "\n")
+            log(f"  {lname} {gname} {k_in}->{k_out} {mode}: {len(fns)} candidates "
+                f"({len(failed)} failed), "
+                f"{time.perf_counter() - t0:.0f} s{' (contended)' if contended else ''}")
+
+
+def layer_choices(rows, models, metric="min_times"):
+    """Per measured configuration and model: the candidate the model ranks first, and its regret
+    ``time(chosen) / time(fastest candidate)`` by ``metric`` (``times``: median wall time of the
+    rounds, ``min_times``: fastest round, ``cpu_times``: least process CPU time). A choice that
+    was not timed (outside GAT's timed subset, or failing) has regret NaN."""
+    out = []
+    graphs = {}
+    for r in rows:
+        if r["graph"] not in graphs:
+            graphs[r["graph"]] = load_graph(r["graph"])
+        g = graphs[r["graph"]]
+        layer = make_layer(r["layer"], r["k_in"], r["k_out"])
+        call, _ = prepared(layer, g, r["k_in"], r["mode"])
+        times = {k: v for k, v in r[metric].items() if k != "dgl-layer"}
+        best = min(times, key=times.get)
+        entry = {k: r[k] for k in ("layer", "graph", "k_in", "k_out", "mode", "threads",
+                                   "contended")}
+        entry.update(best=best, best_s=times[best], dgl_s=r[metric].get("dgl-layer"))
+        for m, model in models.items():
+            training = r["mode"] == "train"
+            c = rank(call.compiled.plans, call.gi, call.symbols, model, training=training,
+                     input_grad=True)[0]
+            key = _key_text((c.plan.index, _canonical(c.plan, c.impls)))
+            entry[f"{m}_choice"] = key
+            entry[f"{m}_regret"] = times[key] / times[best] if key in times else float("nan")
+        out.append(entry)
+    return out
+
+
+def regret_summary(choices, models, by=("layer", "mode")):
+    """``{group: {model: (geomean, worst, n)}}`` of the regrets, grouped by ``by``."""
+    groups = {}
+    for e in choices:
+        groups.setdefault(tuple(e[b] for b in by), []).append(e)
+    out = {}
+    for key, es in sorted(groups.items()):
+        out[key] = {}
+        for m in models:
+            v = [e[f"{m}_regret"] for e in es if not math.isnan(e[f"{m}_regret"])]
+            out[key][m] = (geomean(v), max(v) if v else float("nan"), len(v))
+    return out
+
+
+def regret_markdown(choices, models, title, note):
+    summ = regret_summary(choices, models)
+    lines = [f"### {title}", "", note, "",
+             "| layer | mode | n | " + " | ".join(f"{m} geomean | {m} worst" for m in models)
+             + " |", "|---|---|---:|" + "---:|---:|" * len(models)]
+    for (layer, mode), cells in summ.items():
+        n = max(c[2] for c in cells.values())
+        lines.append(f"| {layer} | {mode} | {n} | " + " | ".join(
+            f"{cells[m][0]:.3f} | {cells[m][1]:.2f}" for m in models) + " |")
+    allv = {m: [e[f"{m}_regret"] for e in choices if not math.isnan(e[f"{m}_regret"])]
+            for m in models}
+    lines.append(f"| **all** | | {len(choices)} | " + " | ".join(
+        f"**{geomean(allv[m]):.3f}** | **{max(allv[m]):.2f}**" for m in models) + " |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -304,13 +304,18 @@ class Trial:
     def settled(self):
         return all(len(self.times.get(c[0], ())) > TRIAL_ROUNDS for c in self.candidates)
 
+    def medians(self):
+        return {label: sorted(ts[1:] or ts)[len(ts[1:] or ts) // 2]
+                for label, ts in self.times.items() if ts}
+
     def winner(self):
-        med = {label: sorted(ts[1:])[len(ts[1:]) // 2] for label, ts in self.times.items()}
-        return min(self.candidates, key=lambda c: med[c[0]])
+        med = self.medians()
+        timed = [c for c in self.candidates if c[0] in med]
+        return min(timed, key=lambda c: med[c[0]]) if timed else self.candidates[0]
 
     def report(self):
-        med = {label: sorted(ts[1:])[len(ts[1:]) // 2] for label, ts in self.times.items()}
-        return [(c[0], med[c[0]]) for c in self.candidates]
+        med = self.medians()
+        return [(c[0], med[c[0]]) for c in self.candidates if c[0] in med]
 
 
 def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):

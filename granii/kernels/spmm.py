@@ -197,7 +197,8 @@ def spmm_weighted_torch_csr(gi, w, x):
     if heads > 1 and (x.dim() < 2 or x.shape[1] != heads):
         raise ValueError(f"granii: {heads}-head edge values need x of shape (n, {heads}[, k]), "
                          f"got {tuple(x.shape)}")
-    entry = None if w.requires_grad else _cached_weighted(gi, w, w2)
+    constant = not w.requires_grad and not w.is_inference()    # inference tensors: no version
+    entry = _cached_weighted(gi, w, w2) if constant else None
     y = _SpMMWeighted.apply(w2, x.reshape(n, heads, -1).contiguous(), gi, entry)
     return y.reshape(gi.num_dst, *x.shape[1:])
 

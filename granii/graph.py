@@ -39,9 +39,14 @@ class GraphInfo:
         return g
 
     def memo(self, key, compute):
-        """``cache[key]``, computed by ``compute()`` on first use."""
+        """``cache[key]``, computed by ``compute()`` on first use. Under ``torch.inference_mode``
+        it is computed as an ordinary tensor, so calls outside inference mode can use it too."""
         if key not in self.cache:
-            self.cache[key] = compute()
+            if torch.is_inference_mode_enabled():
+                with torch.inference_mode(False), torch.no_grad():
+                    self.cache[key] = compute()
+            else:
+                self.cache[key] = compute()
         return self.cache[key]
 
     def csr_in(self):

@@ -466,9 +466,10 @@ def once_per_input(gi, key, tensors, compute):
     The entry remembers each input by weak reference, storage address and version counter:
     another tensor, or the same one changed in place, computes again. Inputs that require grad,
     tensors made under ``torch.inference_mode`` (no version counter) and calls with reuse turned
-    off always compute.
+    off always compute; so does a call under ``torch.inference_mode`` (its results could not be
+    used by a later call that needs gradients).
     """
-    if not REUSE["inputs"] or any(t.is_inference() for t in tensors) or (
+    if not REUSE["inputs"] or torch.is_inference_mode_enabled() or (
             torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return compute()
     ident = [(t.data_ptr(), t._version) for t in tensors]

@@ -28,21 +28,19 @@ import dgl
 import torch
 import torch.nn.functional as F
 
+from granii.kernels import native
 from granii.kernels import softmax as _softmax
 from granii.kernels import sddmm as _sddmm
 from granii.kernels import spmm as _spmm
 from granii.kernels.registry import register
 
 _INT32_MAX = 2**31 - 1
+_OPS = torch.ops.granii    # the operator library (csrc/gat.cpp) the kernels are called from
 
 
-def native_available():
+def available():
     """True when the compiled extension with the GAT kernels is loaded."""
-    try:
-        import granii._native  # noqa: F401  (loads the library that registers torch.ops.granii)
-    except ImportError:
-        pass
-    return hasattr(torch.ops.granii, "gat_forward")
+    return native.available() and hasattr(_OPS, "gat_forward")
 
 
 def fusable(attn_drop_p=0.0, training=False):
@@ -50,16 +48,21 @@ def fusable(attn_drop_p=0.0, training=False):
     return not (training and attn_drop_p > 0)
 
 
-def _index(gi):
-    """CSR of ``A`` (rows = destinations) and ``A^T`` (rows = sources), each ``(indptr, indices,
-    eids)``, and the COO ``(src, dst)`` in edge-id order; int32 when every index fits. Once per graph."""
+def _csr(gi, which):
+    """``(indptr, indices, eids)`` of ``A`` (``"a"``, rows = destinations) or ``A^T`` (``"at"``,
+    rows = sources), shared with the native SpMM kernels and built once per graph; ``eids`` is
+    ``None`` when CSR entry ``j`` is edge ``j``."""
+    idx = native.csr_index(gi, which)
+    return idx.indptr, idx.indices, idx.eids
+
+
+def _coo(gi):
+    """``(src, dst)`` of each edge in edge-id order, int32 when every index fits; once per graph."""
     def make():
-        small = max(gi.num_edges, gi.num_src, gi.num_dst) < _INT32_MAX
-        cast = (lambda t: t.int().contiguous()) if small else (lambda t: t.contiguous())
-        return {"a": tuple(cast(t) for t in gi.csr_in()),
-                "at": tuple(cast(t) for t in gi.csr_out()),
-                "coo": tuple(cast(t) for t in gi.edges())}
-    return gi.memo("native_gat_index", make)
+        small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
+        dtype = torch.int32 if small else torch.int64
+        return tuple(t.to(dtype).contiguous() for t in gi.edges())
+    return gi.memo("native_coo", make)
 
 
 def _heads(t, n):
@@ -72,8 +75,7 @@ class _GatFused(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, el, er, feat, w, gi, slope):
-        idx = _index(gi)
-        out, mx, inv = torch.ops.granii.gat_forward(*idx["a"], el, er, feat, w, slope)
+        out, mx, inv = _OPS.gat_forward(*_csr(gi, "a"), el, er, feat, w, slope)
         ctx.save_for_backward(el, er, feat, w, mx, inv, out)
         ctx.gi, ctx.slope = gi, slope
         return out
@@ -82,10 +84,9 @@ class _GatFused(torch.autograd.Function):
     def backward(ctx, dout):
         el, er, feat, w, mx, inv, out = ctx.saved_tensors
         need = ctx.needs_input_grad
-        idx = _index(ctx.gi)
-        indptr, _, eids = idx["a"]
-        grads = torch.ops.granii.gat_backward(
-            indptr, eids, *idx["at"], el, er, feat, w, ctx.slope, mx, inv, out, dout.contiguous(),
+        indptr, _, eids = _csr(ctx.gi, "a")
+        grads = _OPS.gat_backward(
+            indptr, eids, *_csr(ctx.gi, "at"), el, er, feat, w, ctx.slope, mx, inv, out, dout.contiguous(),
             need[0], need[1], need[2], need[3] and w is not None)
         return tuple(g if n else None for g, n in zip(grads, need[:4])) + (None, None)
 
@@ -102,7 +103,6 @@ def _check_shapes(gi, el, er, feat, edge_weight):
                          f"got {tuple(edge_weight.shape)}")
 
 
-@register("gat_aggregate", "native")
 def gat_fused_native(gi, el, er, feat, slope, edge_weight=None):
     """``gat_aggregate`` in one native pass per destination row (see the module docstring).
 
@@ -153,23 +153,21 @@ class _SddmmAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, gi):
         ctx.gi = gi
-        return torch.ops.granii.sddmm_add_coo(*_index(gi)["coo"], a, b)
+        return _OPS.sddmm_add_coo(*_coo(gi), a, b)
 
     @staticmethod
     def backward(ctx, de):
-        idx = _index(ctx.gi)
         de = de.contiguous()
         da = db = None
         if ctx.needs_input_grad[0]:
-            indptr, _, eids = idx["at"]
-            da = torch.ops.granii.edge_row_sum(indptr, eids, de)
+            indptr, _, eids = _csr(ctx.gi, "at")
+            da = _OPS.edge_row_sum(indptr, eids, de)
         if ctx.needs_input_grad[1]:
-            indptr, _, eids = idx["a"]
-            db = torch.ops.granii.edge_row_sum(indptr, eids, de)
+            indptr, _, eids = _csr(ctx.gi, "a")
+            db = _OPS.edge_row_sum(indptr, eids, de)
         return da, db, None
 
 
-@register("sddmm_add", "native")
 def sddmm_add_native(gi, a_src, b_dst):
     """``e_uv = a_src[u] + b_dst[v]`` for each edge ``u -> v`` in edge-id order; trailing shapes
     broadcast as in ``sddmm_add_dgl``."""
@@ -187,8 +185,8 @@ class _EdgeSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gi):
-        indptr, _, eids = _index(gi)["a"]
-        a = torch.ops.granii.edge_softmax_csr(indptr, eids, x)
+        indptr, _, eids = _csr(gi, "a")
+        a = _OPS.edge_softmax_csr(indptr, eids, x)
         ctx.save_for_backward(a)
         ctx.gi = gi
         return a
@@ -196,14 +194,19 @@ class _EdgeSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (a,) = ctx.saved_tensors
-        indptr, _, eids = _index(ctx.gi)["a"]
-        return torch.ops.granii.edge_softmax_csr_backward(indptr, eids, a, g.contiguous()), None
+        indptr, _, eids = _csr(ctx.gi, "a")
+        return _OPS.edge_softmax_csr_backward(indptr, eids, a, g.contiguous()), None
 
 
-@register("edge_softmax", "native")
 def edge_softmax_native(gi, e):
     """``a_e = exp(e_e - m_v) / sum_{e' -> v} exp(e_e' - m_v)`` per destination, ``e`` of shape ``(E, ...)``."""
     if e.dtype not in (torch.float32, torch.float64):
         return _softmax.edge_softmax_torch(gi, e)
     x = e.reshape(gi.num_edges, -1).contiguous()
     return _EdgeSoftmax.apply(x, gi).reshape(e.shape)
+
+
+if available():
+    register("gat_aggregate", "native")(gat_fused_native)
+    register("sddmm_add", "native")(sddmm_add_native)
+    register("edge_softmax", "native")(edge_softmax_native)

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace granii {
@@ -46,6 +47,10 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 inline double exp_approx(double x) { return std::exp(x); }
+
+// The edge id of CSR entry j: eids[j], or j itself when the edges are stored in CSR order.
+template <typename I>
+inline int64_t edge_id(const I* eids, int64_t j) { return eids ? static_cast<int64_t>(eids[j]) : j; }
 
 template <typename T>
 inline T leaky(T x, T slope) { return x > T(0) ? x : x * slope; }
@@ -88,7 +93,7 @@ template <typename T, typename I>
 struct Gat {
   const I* indptr;   // (rows + 1,)
   const I* indices;  // (nnz,) column of each entry
-  const I* eids;     // (nnz,) edge id of each entry
+  const I* eids;     // (nnz,) edge id of each entry; nullptr: entry j is edge j
   const T* el;       // (num_src, H)
   const T* er;       // (num_dst, H)
   const T* feat;     // (num_src, H, F)
@@ -97,59 +102,270 @@ struct Gat {
   int64_t H, F;
 };
 
+// Prefetch distance in edges: the feature rows of the edge this many entries ahead are requested
+// while the current one is multiplied (the rows are gathered at random; without it each row's
+// first lines stall the loop).
+#ifndef GRANII_GAT_PREFETCH
+#define GRANII_GAT_PREFETCH 4
+#endif
+constexpr int64_t kPrefetch = GRANII_GAT_PREFETCH;
+// Entries ahead whose score inputs (el rows) are requested while the scores are computed.
+#ifndef GRANII_GAT_AHEAD
+#define GRANII_GAT_AHEAD 16
+#endif
+constexpr int64_t kAhead = GRANII_GAT_AHEAD;
+#ifndef GRANII_GAT_EARLY
+#define GRANII_GAT_EARLY 1024
+#endif
+constexpr int64_t kEarlyRowBytes = GRANII_GAT_EARLY;
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
+}
+
+// o[0:F] += c * x[0:F]
+template <int FC, typename T>
+inline void axpy(T* __restrict o, const T* __restrict x, T c, int64_t Fr) {
+  const int64_t F = FC > 0 ? FC : Fr;
+  for (int64_t f = 0; f < F; ++f) o[f] += c * x[f];
+}
+
+// <a[0:F], b[0:F]>
+template <int FC, typename T>
+inline T dot(const T* __restrict a, const T* __restrict b, int64_t Fr) {
+  const int64_t F = FC > 0 ? FC : Fr;
+  T acc = T(0);
+  for (int64_t f = 0; f < F; ++f) acc += a[f] * b[f];
+  return acc;
+}
+
+// GCC/Clang vector types of L lanes (mapped onto SSE, AVX2 or AVX-512, as -march allows): the
+// accumulators of a tile stay in registers.
+template <typename T, int L>
+struct VecT;
+#define GRANII_GAT_VEC(T, L) \
+  template <>                \
+  struct VecT<T, L> {        \
+    typedef T type __attribute__((vector_size(sizeof(T) * L), aligned(sizeof(T)), may_alias)); \
+  };
+GRANII_GAT_VEC(float, 16)
+GRANII_GAT_VEC(float, 8)
+GRANII_GAT_VEC(float, 4)
+GRANII_GAT_VEC(double, 8)
+GRANII_GAT_VEC(double, 4)
+GRANII_GAT_VEC(double, 2)
+#undef GRANII_GAT_VEC
+
+// exp_approx on a whole vector of floats (the same steps, lane by lane).
+template <typename V>
+inline V exp_vec(V x) {
+  typedef int32_t IV __attribute__((vector_size(sizeof(V))));
+  x = x < -87.0f ? V{} - 87.0f : x;
+  x = x > 88.0f ? V{} + 88.0f : x;
+  const V t = x * 1.44269504088896341f;
+  const V n = (t + 12582912.0f) - 12582912.0f;
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const IV bits = (__builtin_convertvector(n, IV) + 127) << 23;
+  return p * reinterpret_cast<const V&>(bits);
+}
+
+// Lanes per vector for rows of FC features per head: one 64-byte vector, or FC if smaller (then
+// each vector is one head); 0 when FC is not a compile-time multiple of 16 bytes.
+template <typename T, int FC>
+constexpr int lanes_for() {
+  constexpr int full = 64 / static_cast<int>(sizeof(T));
+  constexpr int l = FC < full ? FC : full;
+  return (FC > 0 && l * static_cast<int>(sizeof(T)) >= 16 && FC % l == 0) ? l : 0;
+}
+
+#ifndef GRANII_GAT_TILE_BYTES
+#define GRANII_GAT_TILE_BYTES 512
+#endif
+
+// o[t0 : t0 + NV L] = sum_j coef[j, head] * feat[cols[j], t0 : t0 + NV L] for the deg entries of
+// one row; the head of each vector is its feature offset / F.
+template <int NV, int L, typename T, typename I>
+inline void gather_tile(const T* __restrict feat, const I* __restrict cols, const T* __restrict coef,
+                        int64_t deg, int64_t H, int64_t HF, int64_t F, int64_t t0, T* __restrict o) {
+  using vec = typename VecT<T, L>::type;
+  vec acc[NV];
+  int64_t hv[NV];
+  for (int i = 0; i < NV; ++i) {
+    acc[i] = vec{};
+    hv[i] = (t0 + i * L) / F;
+  }
+  for (int64_t j = 0; j < deg; ++j) {
+    if (kPrefetch > 0 && j + kPrefetch < deg) {
+      const char* xp = reinterpret_cast<const char*>(feat + static_cast<int64_t>(cols[j + kPrefetch]) * HF + t0);
+      for (int bb = 0; bb < NV * L * static_cast<int>(sizeof(T)); bb += 64) __builtin_prefetch(xp + bb);
+    }
+    const vec* x = reinterpret_cast<const vec*>(feat + static_cast<int64_t>(cols[j]) * HF + t0);
+    const T* cj = coef + j * H;
+    for (int i = 0; i < NV; ++i) acc[i] += cj[hv[i]] * x[i];
+  }
+  vec* out = reinterpret_cast<vec*>(o + t0);
+  for (int i = 0; i < NV; ++i) out[i] = acc[i];
+}
+
+// out row o (H F) = sum_j coef[j, h] feat[cols[j], h, :], tiled over the row so each tile's
+// accumulators stay in registers while the row's entries are walked once per tile.
+template <int FC, typename T, typename I>
+inline void gather_row(const T* feat, const I* cols, const T* coef, int64_t deg, int64_t H, int64_t Fr, T* o) {
+  constexpr int L = lanes_for<T, FC>();
+  const int64_t F = FC > 0 ? FC : Fr, HF = H * F;
+  if constexpr (L > 0) {
+    constexpr int NV = GRANII_GAT_TILE_BYTES / (L * static_cast<int>(sizeof(T))) > 0
+                           ? GRANII_GAT_TILE_BYTES / (L * static_cast<int>(sizeof(T))) : 1;
+    int64_t t0 = 0;
+    for (; t0 + NV * L <= HF; t0 += NV * L) gather_tile<NV, L>(feat, cols, coef, deg, H, HF, F, t0, o);
+    // the rest (HF is a multiple of L) in halving tiles, so a short row is still one walk
+    if constexpr (NV > 8) if (HF - t0 >= 8 * L) { gather_tile<8, L>(feat, cols, coef, deg, H, HF, F, t0, o); t0 += 8 * L; }
+    if constexpr (NV > 4) if (HF - t0 >= 4 * L) { gather_tile<4, L>(feat, cols, coef, deg, H, HF, F, t0, o); t0 += 4 * L; }
+    if constexpr (NV > 2) if (HF - t0 >= 2 * L) { gather_tile<2, L>(feat, cols, coef, deg, H, HF, F, t0, o); t0 += 2 * L; }
+    if constexpr (NV > 1) if (HF - t0 >= L) { gather_tile<1, L>(feat, cols, coef, deg, H, HF, F, t0, o); t0 += L; }
+  } else {
+    std::fill(o, o + HF, T(0));
+    for (int64_t j = 0; j < deg; ++j) {
+      const T* x = feat + static_cast<int64_t>(cols[j]) * HF;
+      for (int64_t h = 0; h < H; ++h) axpy<FC>(o + h * F, x + h * F, coef[j * H + h], F);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
-// Forward over destination rows [r0, r1): out (rows, H, F), row max m and 1 / S (rows, H).
+// Forward.
+//
+// Coefficients of one destination row v (entries b .. b + deg of the CSR) into S (deg, H):
+// S[j, h] = exp(z_jh - m_h) / sum_j' exp(z_j'h - m_h) * w_j, and m_h, 1 / sum into mxv, invv.
+// HC is the head count when it is a compile-time constant (the per-head state lives in
+// registers), else 0. Also requests the el rows of entries kAhead ahead (up to `last`) and, when
+// `early`, the feature rows of this row's sources for the aggregation that follows.
+template <int HC, typename T, typename I>
+void row_coefficients(const Gat<T, I>& g, int64_t v, int64_t b, int64_t deg, int64_t last, bool early,
+                      T* __restrict S, T* __restrict mxv, T* __restrict invv) {
+  const int64_t H = HC > 0 ? HC : g.H, HF = H * g.F;
+  const I* __restrict indices = g.indices;
+  const T slope = g.slope;
+  T mloc[HC > 0 ? HC : 1], sloc[HC > 0 ? HC : 1];
+  T* __restrict mm = HC > 0 ? mloc : mxv;
+  T* __restrict ss = HC > 0 ? sloc : invv;
+  const T* __restrict erv = g.er + v * H;
+  for (int64_t h = 0; h < H; ++h) mm[h] = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < deg; ++j) {
+    if (b + j + kAhead < last) __builtin_prefetch(g.el + static_cast<int64_t>(indices[b + j + kAhead]) * H);
+    if (early) prefetch_row(g.feat + static_cast<int64_t>(indices[b + j]) * HF, HF);
+    const T* __restrict elu = g.el + static_cast<int64_t>(indices[b + j]) * H;
+    T* __restrict sj = S + j * H;
+    for (int64_t h = 0; h < H; ++h) {
+      const T z = leaky(elu[h] + erv[h], slope);
+      sj[h] = z;
+      mm[h] = std::max(mm[h], z);
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) ss[h] = T(0);
+  for (int64_t j = 0; j < deg; ++j) {
+    T* __restrict sj = S + j * H;
+    for (int64_t h = 0; h < H; ++h) {
+      const T p = exp_approx(sj[h] - mm[h]);
+      sj[h] = p;
+      ss[h] += p;
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    const T r = T(1) / ss[h];
+    mxv[h] = mm[h];
+    invv[h] = r;
+  }
+  for (int64_t j = 0; j < deg; ++j) {
+    const T wj = g.w ? g.w[edge_id(g.eids, b + j)] : T(1);
+    T* __restrict sj = S + j * H;
+    for (int64_t h = 0; h < H; ++h) sj[h] *= invv[h] * wj;
+  }
+}
+
+// row_coefficients with the HC heads of an entry in one float vector of HC lanes.
+template <int HC, typename I>
+void row_coefficients_vec(const Gat<float, I>& g, int64_t v, int64_t b, int64_t deg, int64_t last, bool early,
+                          float* __restrict S, float* __restrict mxv, float* __restrict invv) {
+  using V = typename VecT<float, HC>::type;
+  const int64_t HF = HC * g.F;
+  const I* __restrict indices = g.indices;
+  const float slope = g.slope;
+  const V erv = *reinterpret_cast<const V*>(g.er + v * HC);
+  V m = V{} - std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < deg; ++j) {
+    if (b + j + kAhead < last) __builtin_prefetch(g.el + static_cast<int64_t>(indices[b + j + kAhead]) * HC);
+    if (early) prefetch_row(g.feat + static_cast<int64_t>(indices[b + j]) * HF, HF);
+    V z = *reinterpret_cast<const V*>(g.el + static_cast<int64_t>(indices[b + j]) * HC) + erv;
+    z = z > 0.0f ? z : z * slope;
+    *reinterpret_cast<V*>(S + j * HC) = z;
+    m = z > m ? z : m;
+  }
+  V sum = V{};
+  for (int64_t j = 0; j < deg; ++j) {
+    V* sj = reinterpret_cast<V*>(S + j * HC);
+    const V p = exp_vec(*sj - m);
+    *sj = p;
+    sum += p;
+  }
+  const V r = 1.0f / sum;
+  *reinterpret_cast<V*>(mxv) = m;
+  *reinterpret_cast<V*>(invv) = r;
+  for (int64_t j = 0; j < deg; ++j) {
+    const float wj = g.w ? g.w[edge_id(g.eids, b + j)] : 1.0f;
+    V* sj = reinterpret_cast<V*>(S + j * HC);
+    *sj *= r * wj;
+  }
+}
+
+template <typename T, typename I>
+using CoefFn = void (*)(const Gat<T, I>&, int64_t, int64_t, int64_t, int64_t, bool, T*, T*, T*);
+
+template <typename T, typename I>
+CoefFn<T, I> coefficients_for(int64_t H) {
+  if constexpr (std::is_same<T, float>::value) {
+    switch (H) {
+      case 4: return &row_coefficients_vec<4, I>;
+      case 8: return &row_coefficients_vec<8, I>;
+      case 16: return &row_coefficients_vec<16, I>;
+      default: break;
+    }
+  }
+  return &row_coefficients<0, T, I>;
+}
+
+// Destination rows [r0, r1): out (rows, H, F), the row max m and 1 / S (rows, H). Per row, the
+// coefficients of all its entries and heads into scratch, then one walk (per tile) over the
+// source feature rows.
 template <int FC, typename T, typename I>
 void forward_rows(const Gat<T, I>& g, T* out, T* mx, T* inv, int64_t r0, int64_t r1) {
   const int64_t H = g.H, F = FC > 0 ? FC : g.F, HF = H * F;
-  std::vector<T> sc, m(H), s(H);
+  const int64_t last = g.indptr[r1];
+  // short feature rows are requested while the scores are computed, long ones by the tile walk
+  const bool early = HF * static_cast<int64_t>(sizeof(T)) <= kEarlyRowBytes;
+  const CoefFn<T, I> coefficients = coefficients_for<T, I>(H);
+  std::vector<T> sc;
   for (int64_t v = r0; v < r1; ++v) {
     const int64_t b = g.indptr[v], deg = g.indptr[v + 1] - b;
     T* o = out + v * HF;
-    std::fill(o, o + HF, T(0));
     if (deg == 0) {
+      std::fill(o, o + HF, T(0));
       std::fill(mx + v * H, mx + v * H + H, T(0));
       std::fill(inv + v * H, inv + v * H + H, T(0));
       continue;
     }
     if (static_cast<int64_t>(sc.size()) < deg * H) sc.resize(deg * H);
-    T* S = sc.data();
-    const T* erv = g.er + v * H;
-    std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
-    for (int64_t j = 0; j < deg; ++j) {
-      const T* elu = g.el + static_cast<int64_t>(g.indices[b + j]) * H;
-      T* sj = S + j * H;
-      for (int64_t h = 0; h < H; ++h) {
-        const T z = leaky(elu[h] + erv[h], g.slope);
-        sj[h] = z;
-        m[h] = std::max(m[h], z);
-      }
-    }
-    std::fill(s.begin(), s.end(), T(0));
-    for (int64_t j = 0; j < deg; ++j) {
-      T* sj = S + j * H;
-      for (int64_t h = 0; h < H; ++h) {
-        const T p = exp_approx(sj[h] - m[h]);
-        sj[h] = p;
-        s[h] += p;
-      }
-    }
-    for (int64_t h = 0; h < H; ++h) {
-      s[h] = T(1) / s[h];
-      mx[v * H + h] = m[h];
-      inv[v * H + h] = s[h];
-    }
-    for (int64_t j = 0; j < deg; ++j) {
-      const T* x = g.feat + static_cast<int64_t>(g.indices[b + j]) * HF;
-      const T wj = g.w ? g.w[g.eids[b + j]] : T(1);
-      const T* sj = S + j * H;
-      for (int64_t h = 0; h < H; ++h) {
-        const T c = sj[h] * s[h] * wj;
-        T* oh = o + h * F;
-        const T* xh = x + h * F;
-        for (int64_t f = 0; f < F; ++f) oh[f] += c * xh[f];
-      }
-    }
+    coefficients(g, v, b, deg, last, early, sc.data(), mx + v * H, inv + v * H);
+    gather_row<FC>(g.feat, g.indices + b, sc.data(), deg, H, F, o);
   }
 }
 
@@ -186,7 +402,7 @@ void backward_src_rows(const Gat<T, I>& g, const Grads<T>& d, int64_t r0, int64_
     if (dfu) std::fill(dfu, dfu + HF, T(0));
     std::fill(dl.begin(), dl.end(), T(0));
     for (int64_t j = b; j < end; ++j) {
-      const int64_t v = g.indices[j], e = g.eids[j];
+      const int64_t v = g.indices[j], e = edge_id(g.eids, j);
       const T wj = g.w ? g.w[e] : T(1);
       const T* erv = g.er + v * H;
       const T* mv = d.mx + v * H;
@@ -227,7 +443,7 @@ void gather_row_sum(const I* indptr, const I* eids, const T* x, int64_t rows, in
       T* yv = y + v * K;
       std::fill(yv, yv + K, T(0));
       for (int64_t j = indptr[v]; j < indptr[v + 1]; ++j) {
-        const T* xe = x + static_cast<int64_t>(eids[j]) * K;
+        const T* xe = x + edge_id(eids, j) * K;
         for (int64_t k = 0; k < K; ++k) yv[k] += xe[k];
       }
     }
@@ -249,29 +465,29 @@ void dispatch_width(int64_t F, const Fn& fn) {
   }
 }
 
-template <typename Fn>
-void dispatch_index(const at::Tensor& t, const Fn& fn) {
-  if (t.scalar_type() == at::kInt) fn(int32_t(0));
-  else if (t.scalar_type() == at::kLong) fn(int64_t(0));
-  else TORCH_CHECK(false, "granii: CSR indices must be int32 or int64");
+void check_index(const at::Tensor& indptr, const at::Tensor& indices, const c10::optional<at::Tensor>& eids,
+                 const char* name) {
+  check_csr(indptr, indices, name);
+  if (eids.has_value()) {
+    TORCH_CHECK(eids->dim() == 1 && eids->is_contiguous() && eids->numel() == indices.numel(), name,
+                ": eids must be contiguous, one per entry");
+    TORCH_CHECK(eids->scalar_type() == indptr.scalar_type(), name, ": eids must share the index type");
+  }
 }
 
-void check_csr3(const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& eids) {
-  TORCH_CHECK(indptr.dim() == 1 && indices.dim() == 1 && eids.dim() == 1, "granii: CSR arrays must be 1-D");
-  TORCH_CHECK(indptr.is_contiguous() && indices.is_contiguous() && eids.is_contiguous(),
-              "granii: CSR arrays must be contiguous");
-  TORCH_CHECK(indptr.scalar_type() == indices.scalar_type() && indptr.scalar_type() == eids.scalar_type(),
-              "granii: CSR arrays must share one index type");
+template <typename I>
+const I* eid_ptr(const c10::optional<at::Tensor>& eids) {
+  return eids.has_value() ? eids->data_ptr<I>() : nullptr;
 }
 
 template <typename T, typename I>
-Gat<T, I> make_gat(const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& eids,
+Gat<T, I> make_gat(const at::Tensor& indptr, const at::Tensor& indices, const c10::optional<at::Tensor>& eids,
                    const at::Tensor& el, const at::Tensor& er, const at::Tensor& feat,
                    const c10::optional<at::Tensor>& w, double slope) {
   Gat<T, I> g;
   g.indptr = indptr.data_ptr<I>();
   g.indices = indices.data_ptr<I>();
-  g.eids = eids.data_ptr<I>();
+  g.eids = eid_ptr<I>(eids);
   g.el = el.data_ptr<T>();
   g.er = er.data_ptr<T>();
   g.feat = feat.data_ptr<T>();
@@ -282,28 +498,41 @@ Gat<T, I> make_gat(const at::Tensor& indptr, const at::Tensor& indices, const at
   return g;
 }
 
-// (out, m, 1/S): out (num_dst, H, F); indptr over num_dst rows.
-std::vector<at::Tensor> gat_forward(at::Tensor indptr, at::Tensor indices, at::Tensor eids,
-                                       at::Tensor el, at::Tensor er, at::Tensor feat,
-                                       c10::optional<at::Tensor> w, double slope) {
-  check_csr3(indptr, indices, eids);
-  TORCH_CHECK(feat.dim() == 3 && el.dim() == 2 && er.dim() == 2, "granii: feat (n, H, F), el/er (n, H)");
-  TORCH_CHECK(el.is_contiguous() && er.is_contiguous() && feat.is_contiguous(), "granii: inputs must be contiguous");
-  TORCH_CHECK(el.scalar_type() == feat.scalar_type() && er.scalar_type() == feat.scalar_type(),
-              "granii: el, er, feat must share a dtype");
-  const int64_t rows = indptr.size(0) - 1, H = feat.size(1), F = feat.size(2);
+void check_inputs(const at::Tensor& el, const at::Tensor& er, const at::Tensor& feat,
+                  const c10::optional<at::Tensor>& w, int64_t n_src, int64_t n_dst, int64_t E, const char* name) {
+  TORCH_CHECK(feat.dim() == 3 && feat.size(0) == n_src, name, ": feat must be (num_src, H, F)");
+  const int64_t H = feat.size(1);
+  TORCH_CHECK(el.dim() == 2 && el.size(0) == n_src && el.size(1) == H, name, ": el must be (num_src, H)");
+  TORCH_CHECK(er.dim() == 2 && er.size(0) >= n_dst && er.size(1) == H, name, ": er must be (num_dst, H)");
+  const auto dt = feat.scalar_type();
+  check_dense(feat, "feat", name, dt);
+  check_dense(el, "el", name, dt);
+  check_dense(er, "er", name, dt);
+  if (w.has_value()) {
+    check_dense(*w, "edge weight", name, dt);
+    TORCH_CHECK(w->numel() == E, name, ": one edge weight per edge expected");
+  }
+}
+
+// (out, m, 1/S): out (num_dst, H, F) with num_dst = indptr.size(0) - 1.
+std::vector<at::Tensor> gat_forward(const at::Tensor& indptr, const at::Tensor& indices,
+                                    const c10::optional<at::Tensor>& eids, const at::Tensor& el,
+                                    const at::Tensor& er, const at::Tensor& feat,
+                                    const c10::optional<at::Tensor>& w, double slope) {
+  const char* name = "granii::gat_forward";
+  check_index(indptr, indices, eids, name);
+  const int64_t rows = indptr.size(0) - 1, H = feat.size(1), F = feat.size(2), E = indices.size(0);
+  check_inputs(el, er, feat, w, el.size(0), rows, E, name);
   auto out = at::empty({rows, H, F}, feat.options());
   auto mx = at::empty({rows, H}, feat.options());
   auto inv = at::empty({rows, H}, feat.options());
   AT_DISPATCH_FLOATING_TYPES(feat.scalar_type(), "gat_forward", [&] {
-    dispatch_index(indptr, [&](auto ityp) {
-      using I = decltype(ityp);
-      const auto g = make_gat<scalar_t, I>(indptr, indices, eids, el, er, feat, w, slope);
-      const int64_t work = indices.size(0) * H * F;
+    using T = scalar_t;
+    GRANII_DISPATCH_INDEX(indptr.scalar_type(), name, [&] {
+      const auto g = make_gat<T, index_t>(indptr, indices, eids, el, er, feat, w, slope);
       dispatch_width(F, [&](auto fc) {
-        parallel_rows(g.indptr, rows, work, [&](int64_t r0, int64_t r1) {
-          forward_rows<decltype(fc)::value>(g, out.data_ptr<scalar_t>(), mx.data_ptr<scalar_t>(),
-                                            inv.data_ptr<scalar_t>(), r0, r1);
+        parallel_rows(g.indptr, rows, E * H * F, [&](int64_t r0, int64_t r1) {
+          forward_rows<decltype(fc)::value>(g, out.data_ptr<T>(), mx.data_ptr<T>(), inv.data_ptr<T>(), r0, r1);
         });
       });
     });
@@ -311,21 +540,24 @@ std::vector<at::Tensor> gat_forward(at::Tensor indptr, at::Tensor indices, at::T
   return {out, mx, inv};
 }
 
-// Gradients (del, der, dfeat, dw) of gat_forward; undefined tensors where need_* is false.
-// t_* is the CSR of A^T (rows = sources); in_* the CSR of A.
-std::vector<at::Tensor> gat_backward(at::Tensor in_indptr, at::Tensor in_eids,
-                                        at::Tensor t_indptr, at::Tensor t_indices, at::Tensor t_eids,
-                                        at::Tensor el, at::Tensor er, at::Tensor feat,
-                                        c10::optional<at::Tensor> w, double slope,
-                                        at::Tensor mx, at::Tensor inv, at::Tensor out,
-                                        at::Tensor dout, bool need_el, bool need_er, bool need_feat,
-                                        bool need_w) {
-  check_csr3(t_indptr, t_indices, t_eids);
-  dout = dout.contiguous();
+// Gradients [del, der, dfeat, dw] of gat_forward, an empty tensor where need_* is false.
+// t_* is the CSR of A^T (rows = sources), in_* the CSR of A.
+std::vector<at::Tensor> gat_backward(const at::Tensor& in_indptr, const c10::optional<at::Tensor>& in_eids,
+                                     const at::Tensor& t_indptr, const at::Tensor& t_indices,
+                                     const c10::optional<at::Tensor>& t_eids, const at::Tensor& el,
+                                     const at::Tensor& er, const at::Tensor& feat,
+                                     const c10::optional<at::Tensor>& w, double slope, const at::Tensor& mx,
+                                     const at::Tensor& inv, const at::Tensor& out, const at::Tensor& dout_,
+                                     bool need_el, bool need_er, bool need_feat, bool need_w) {
+  const char* name = "granii::gat_backward";
+  check_index(t_indptr, t_indices, t_eids, name);
   const int64_t n_src = t_indptr.size(0) - 1, n_dst = in_indptr.size(0) - 1;
   const int64_t H = feat.size(1), F = feat.size(2), E = t_indices.size(0);
+  check_inputs(el, er, feat, w, n_src, n_dst, E, name);
+  const auto dout = dout_.contiguous();
+  TORCH_CHECK(dout.sizes() == out.sizes() && out.size(0) == n_dst, name, ": dout must be (num_dst, H, F)");
   // D_v = <dout[v,h], out[v,h]>, the softmax's row term
-  auto dsum = (dout * out).sum(-1).contiguous();
+  const auto dsum = (dout * out).sum(-1).contiguous();
   at::Tensor del, der, dfeat, dw, gx;
   if (need_el) del = at::empty({n_src, H}, feat.options());
   if (need_er) gx = at::empty({E, H}, feat.options());
@@ -333,22 +565,20 @@ std::vector<at::Tensor> gat_backward(at::Tensor in_indptr, at::Tensor in_eids,
   if (need_w && w.has_value()) dw = at::empty({E}, feat.options());
   AT_DISPATCH_FLOATING_TYPES(feat.scalar_type(), "gat_backward", [&] {
     using T = scalar_t;
-    dispatch_index(t_indptr, [&](auto ityp) {
-      using I = decltype(ityp);
-      const auto g = make_gat<T, I>(t_indptr, t_indices, t_eids, el, er, feat, w, slope);
+    GRANII_DISPATCH_INDEX(t_indptr.scalar_type(), name, [&] {
+      const auto g = make_gat<T, index_t>(t_indptr, t_indices, t_eids, el, er, feat, w, slope);
       Grads<T> d{dout.data_ptr<T>(), dsum.data_ptr<T>(), mx.data_ptr<T>(), inv.data_ptr<T>(),
                  need_feat ? dfeat.data_ptr<T>() : nullptr, need_el ? del.data_ptr<T>() : nullptr,
                  need_er ? gx.data_ptr<T>() : nullptr, dw.defined() ? dw.data_ptr<T>() : nullptr};
-      const int64_t work = 2 * E * H * F;
       dispatch_width(F, [&](auto fc) {
-        parallel_rows(g.indptr, n_src, work, [&](int64_t r0, int64_t r1) {
+        parallel_rows(g.indptr, n_src, 2 * E * H * F, [&](int64_t r0, int64_t r1) {
           backward_src_rows<decltype(fc)::value>(g, d, r0, r1);
         });
       });
       if (need_er) {
         der = at::empty({n_dst, H}, feat.options());
-        gather_row_sum<T, I>(in_indptr.data_ptr<I>(), in_eids.data_ptr<I>(), gx.data_ptr<T>(), n_dst, H,
-                             der.data_ptr<T>());
+        gather_row_sum<T, index_t>(in_indptr.data_ptr<index_t>(), eid_ptr<index_t>(in_eids), gx.data_ptr<T>(),
+                                   n_dst, H, der.data_ptr<T>());
       }
     });
   });
@@ -367,8 +597,8 @@ at::Tensor sddmm_add(at::Tensor src, at::Tensor dst, at::Tensor a, at::Tensor b)
   auto out = at::empty({E, K}, a.options());
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "sddmm_add", [&] {
     using T = scalar_t;
-    dispatch_index(src, [&](auto ityp) {
-      using I = decltype(ityp);
+    GRANII_DISPATCH_INDEX(src.scalar_type(), "granii", [&] {
+      using I = index_t;
       const I* s = src.data_ptr<I>();
       const I* d = dst.data_ptr<I>();
       const T* pa = a.data_ptr<T>();
@@ -389,14 +619,14 @@ at::Tensor sddmm_add(at::Tensor src, at::Tensor dst, at::Tensor a, at::Tensor b)
 }
 
 // y (rows, K): y[v] = sum over row v of x[eids[j]], x (E, K) in edge-id order.
-at::Tensor edge_row_sum(at::Tensor indptr, at::Tensor eids, at::Tensor x) {
+at::Tensor edge_row_sum(const at::Tensor& indptr, const c10::optional<at::Tensor>& eids, at::Tensor x) {
   x = x.contiguous();
   const int64_t rows = indptr.size(0) - 1, K = x.size(1);
   auto y = at::empty({rows, K}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "edge_row_sum", [&] {
-    dispatch_index(indptr, [&](auto ityp) {
-      using I = decltype(ityp);
-      gather_row_sum<scalar_t, I>(indptr.data_ptr<I>(), eids.data_ptr<I>(), x.data_ptr<scalar_t>(), rows, K,
+    GRANII_DISPATCH_INDEX(indptr.scalar_type(), "granii", [&] {
+      using I = index_t;
+      gather_row_sum<scalar_t, I>(indptr.data_ptr<I>(), eid_ptr<I>(eids), x.data_ptr<scalar_t>(), rows, K,
                                   y.data_ptr<scalar_t>());
     });
   });
@@ -405,16 +635,16 @@ at::Tensor edge_row_sum(at::Tensor indptr, at::Tensor eids, at::Tensor x) {
 
 // ---------------------------------------------------------------------------------------------
 // Edge softmax over the in-edges of each row: a[e,k] = exp(x[e,k] - m_v) / sum exp(x[e',k] - m_v).
-at::Tensor edge_softmax_forward(at::Tensor indptr, at::Tensor eids, at::Tensor x) {
+at::Tensor edge_softmax_forward(const at::Tensor& indptr, const c10::optional<at::Tensor>& eids, at::Tensor x) {
   x = x.contiguous();
   const int64_t rows = indptr.size(0) - 1, K = x.size(1);
   auto y = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "edge_softmax_forward", [&] {
     using T = scalar_t;
-    dispatch_index(indptr, [&](auto ityp) {
-      using I = decltype(ityp);
+    GRANII_DISPATCH_INDEX(indptr.scalar_type(), "granii", [&] {
+      using I = index_t;
       const I* ip = indptr.data_ptr<I>();
-      const I* ei = eids.data_ptr<I>();
+      const I* ei = eid_ptr<I>(eids);
       const T* px = x.data_ptr<T>();
       T* py = y.data_ptr<T>();
       parallel_rows(ip, rows, (ip[rows] - ip[0]) * K * 4, [&](int64_t r0, int64_t r1) {
@@ -424,12 +654,12 @@ at::Tensor edge_softmax_forward(at::Tensor indptr, at::Tensor eids, at::Tensor x
           if (b == e) continue;
           std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
           for (int64_t j = b; j < e; ++j) {
-            const T* xe = px + static_cast<int64_t>(ei[j]) * K;
+            const T* xe = px + edge_id(ei, j) * K;
             for (int64_t k = 0; k < K; ++k) m[k] = std::max(m[k], xe[k]);
           }
           std::fill(s.begin(), s.end(), T(0));
           for (int64_t j = b; j < e; ++j) {
-            const int64_t off = static_cast<int64_t>(ei[j]) * K;
+            const int64_t off = edge_id(ei, j) * K;
             for (int64_t k = 0; k < K; ++k) {
               const T p = exp_approx(px[off + k] - m[k]);
               py[off + k] = p;
@@ -438,7 +668,7 @@ at::Tensor edge_softmax_forward(at::Tensor indptr, at::Tensor eids, at::Tensor x
           }
           for (int64_t k = 0; k < K; ++k) s[k] = T(1) / s[k];
           for (int64_t j = b; j < e; ++j) {
-            T* ye = py + static_cast<int64_t>(ei[j]) * K;
+            T* ye = py + edge_id(ei, j) * K;
             for (int64_t k = 0; k < K; ++k) ye[k] *= s[k];
           }
         }
@@ -449,17 +679,18 @@ at::Tensor edge_softmax_forward(at::Tensor indptr, at::Tensor eids, at::Tensor x
 }
 
 // dx[e] = a[e] (g[e] - sum_{e' in row} a[e'] g[e']).
-at::Tensor edge_softmax_backward(at::Tensor indptr, at::Tensor eids, at::Tensor a, at::Tensor g) {
+at::Tensor edge_softmax_backward(const at::Tensor& indptr, const c10::optional<at::Tensor>& eids, at::Tensor a,
+                                 at::Tensor g) {
   a = a.contiguous();
   g = g.contiguous();
   const int64_t rows = indptr.size(0) - 1, K = a.size(1);
   auto dx = at::empty_like(a);
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "edge_softmax_backward", [&] {
     using T = scalar_t;
-    dispatch_index(indptr, [&](auto ityp) {
-      using I = decltype(ityp);
+    GRANII_DISPATCH_INDEX(indptr.scalar_type(), "granii", [&] {
+      using I = index_t;
       const I* ip = indptr.data_ptr<I>();
-      const I* ei = eids.data_ptr<I>();
+      const I* ei = eid_ptr<I>(eids);
       const T* pa = a.data_ptr<T>();
       const T* pg = g.data_ptr<T>();
       T* pd = dx.data_ptr<T>();
@@ -468,11 +699,11 @@ at::Tensor edge_softmax_backward(at::Tensor indptr, at::Tensor eids, at::Tensor 
         for (int64_t v = r0; v < r1; ++v) {
           std::fill(s.begin(), s.end(), T(0));
           for (int64_t j = ip[v]; j < ip[v + 1]; ++j) {
-            const int64_t off = static_cast<int64_t>(ei[j]) * K;
+            const int64_t off = edge_id(ei, j) * K;
             for (int64_t k = 0; k < K; ++k) s[k] += pa[off + k] * pg[off + k];
           }
           for (int64_t j = ip[v]; j < ip[v + 1]; ++j) {
-            const int64_t off = static_cast<int64_t>(ei[j]) * K;
+            const int64_t off = edge_id(ei, j) * K;
             for (int64_t k = 0; k < K; ++k) pd[off + k] = pa[off + k] * (pg[off + k] - s[k]);
           }
         }
@@ -486,17 +717,17 @@ at::Tensor edge_softmax_backward(at::Tensor indptr, at::Tensor eids, at::Tensor 
 
 TORCH_LIBRARY_FRAGMENT(granii, m) {
   m.def(
-      "gat_forward(Tensor indptr, Tensor indices, Tensor eids, Tensor el, Tensor er, Tensor feat, "
+      "gat_forward(Tensor indptr, Tensor indices, Tensor? eids, Tensor el, Tensor er, Tensor feat, "
       "Tensor? w, float slope) -> Tensor[]");
   m.def(
-      "gat_backward(Tensor in_indptr, Tensor in_eids, Tensor t_indptr, Tensor t_indices, "
-      "Tensor t_eids, Tensor el, Tensor er, Tensor feat, Tensor? w, float slope, Tensor mx, "
+      "gat_backward(Tensor in_indptr, Tensor? in_eids, Tensor t_indptr, Tensor t_indices, "
+      "Tensor? t_eids, Tensor el, Tensor er, Tensor feat, Tensor? w, float slope, Tensor mx, "
       "Tensor inv, Tensor out, Tensor dout, bool need_el, bool need_er, bool need_feat, "
       "bool need_w) -> Tensor[]");
   m.def("sddmm_add_coo(Tensor src, Tensor dst, Tensor a, Tensor b) -> Tensor");
-  m.def("edge_row_sum(Tensor indptr, Tensor eids, Tensor x) -> Tensor");
-  m.def("edge_softmax_csr(Tensor indptr, Tensor eids, Tensor x) -> Tensor");
-  m.def("edge_softmax_csr_backward(Tensor indptr, Tensor eids, Tensor a, Tensor g) -> Tensor");
+  m.def("edge_row_sum(Tensor indptr, Tensor? eids, Tensor x) -> Tensor");
+  m.def("edge_softmax_csr(Tensor indptr, Tensor? eids, Tensor x) -> Tensor");
+  m.def("edge_softmax_csr_backward(Tensor indptr, Tensor? eids, Tensor a, Tensor g) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(granii, CPU, m) {

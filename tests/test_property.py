@@ -22,9 +22,11 @@ from granii.api import layer_states
 from models import scaled_tanh
 from test_real_models import RTOL_GRAD, assert_close, assert_same_grads, projection, sync
 
+# Deterministic and bounded; no shrinking, so a failing run takes as long as a passing one (the
+# failing example is reported as drawn, with every labelled choice).
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=None,
                     phases=(Phase.explicit, Phase.generate), print_blob=False,
-                    suppress_health_check=list(HealthCheck))
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 WIDTHS = st.sampled_from([1, 2, 3, 5, 8])
 CALLS = 3
 

@@ -354,9 +354,7 @@ class Call:
 
 def prepare(state, module, args, kwargs, reuse_inputs=True):
     """Bind a call of ``module``; a string (the reason) when the original forward must run."""
-    bound = state.signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    values = bound.arguments
+    values = _bind_arguments(state, args, kwargs)
     names = list(values)
     graph, feat = values[names[0]], values[names[1]]
     reason = _unsupported_input(graph, feat)
@@ -423,9 +421,42 @@ def _variant(state, module, key, values, gi):
     return v
 
 
+def _bind_arguments(state, args, kwargs):
+    """``{parameter: value}`` of a call, defaults filled in (``Signature.bind`` without its
+    generality: forward() has no ``*args``/``**kwargs``, which the frontend refuses anyway)."""
+    params = state.__dict__.get("_params")
+    if params is None:
+        ps = list(state.signature.parameters.values())
+        simple = all(p.kind == p.POSITIONAL_OR_KEYWORD for p in ps)
+        params = state._params = ([p.name for p in ps], {p.name: p.default for p in ps}, simple)
+    names, defaults, simple = params
+    if not simple or len(args) > len(names) or any(k not in defaults for k in kwargs):
+        bound = state.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+    values = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k in values:
+            raise TypeError(f"multiple values for argument '{k}'")
+        values[k] = v
+    for n in names[len(args):]:
+        if n not in values:
+            d = defaults[n]
+            if d is inspect.Parameter.empty:
+                raise TypeError(f"missing a required argument: '{n}'")
+            values[n] = d
+    return {n: values[n] for n in names}
+
+
+_ATTR_PATHS = {}
+
+
 def attribute(obj, dotted):
     """``obj.a.b.c`` for ``dotted = "a.b.c"`` (submodules of a ``Sequential`` by index too)."""
-    for part in dotted.split("."):
+    parts = _ATTR_PATHS.get(dotted)
+    if parts is None:
+        parts = _ATTR_PATHS[dotted] = tuple(dotted.split("."))
+    for part in parts:
         obj = getattr(obj, part)
     return obj
 

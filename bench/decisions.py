@@ -4,18 +4,62 @@ from granii.dispatch import layer_states
 
 
 def describe(model):
-    """``dict(optimized, layers, fallbacks, plans)`` from the layers' last calls."""
+    """``dict(optimized, layers, fallbacks, plans)`` from the layers' last calls. A layer whose
+    measured tie-break kept its own original forward shows ``original forward (measured)``."""
     states = layer_states(model)
     fallbacks = [f"{st.name}: {st.fallback}" for st in states if st.fallback]
     plans = []
     for st in states:
         if st.fallback or st.last is None:
             continue
-        best = st.last[2]
-        impls = sorted({i for i in best.impls if i != "inline"})
-        plans.append(f"{st.name}: {best.plan.composition()} [{','.join(impls)}]")
+        plans.append(f"{st.name}: {_kept(st)}")
     return dict(optimized=len(states) - len(fallbacks), layers=len(states),
                 fallbacks="; ".join(fallbacks), plans="; ".join(plans))
 
 
-__all__ = ["describe"]
+def _kept(st):
+    """The composition and implementations the layer runs now."""
+    ranking, best = st.last[1], st.last[2]
+    tuned = getattr(st, "tuned", None)
+    if tuned:
+        label = tuned[1]
+        if not label.startswith("["):
+            return f"{label} (measured)"
+        best = next((c for c in ranking if f"[{c.plan.index}]" == label), best)
+    impls = sorted({i for i in best.impls if i != "inline"})
+    return f"{best.plan.composition()} [{','.join(impls)}]"
+
+
+class Settling:
+    """``Settling(*models)()`` is True once granii's measured tie-breaks in ``models`` have stopped
+    moving: no layer's trial (its first calls, when candidate plans take turns) advanced, started
+    or ended since the previous call. A trial that a mode no longer used left open (the inference
+    decision ``granii(...)`` started before training) does not move, so it does not count."""
+
+    def __init__(self, *models):
+        self.models = models
+        self.prev = None
+
+    def __call__(self):
+        now = _trials(self.models)
+        moved = self.prev is None or now != self.prev
+        self.prev = now
+        return not moved
+
+
+def _trials(models):
+    from granii import dispatch
+    trial = getattr(dispatch, "Trial", None)
+    out = {}
+    if trial is None:
+        return out
+    for model in models:
+        for st in layer_states(model):
+            for per_graph in list(st.decisions.values()):
+                for key, d in per_graph.items():
+                    if isinstance(d, trial):
+                        out[(id(st), key)] = d.turn
+    return out
+
+
+__all__ = ["describe", "Settling"]

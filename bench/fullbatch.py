@@ -11,16 +11,18 @@ or caches shared between them):
 
 Training (``task="train"``): one epoch is ``zero_grad``, forward in train mode (dropout on),
 cross-entropy on the training nodes, backward, Adam step (lr 0.01, weight decay 5e-4). The first
-epoch is timed on its own (for granii it includes the ``granii(...)`` call); the steady epoch is the
-median of the rounds; ``total`` is ``first + (EPOCHS - 1) x steady`` (DGL's examples train 200
-epochs).
+epoch is timed on its own (for granii it includes the ``granii(...)`` call); ``total`` is the time
+of ``EPOCHS`` epochs (DGL's examples train 200): the first, every epoch measured after it, and the
+steady median for the epochs not measured (``rounds.summarise``). The steady median is taken over
+the rounds after granii's measured tie-break (its first calls, when it times candidate plans
+against each other) has settled, the same rounds for every candidate.
 
 Inference (``task="infer"``): ``model.eval()`` under ``torch.no_grad``, each call on a feature
 tensor that no call saw before (``inputs.FreshFeatures``, made outside the timer): what every
 hidden layer sees anyway and what serving new data sees. The first call (for granii:
 ``granii(model, g, x0)`` with the dataset's features, then the call on new features) is timed on
-its own; ``total`` is ``first + (CALLS - 1) x steady``. Up to ``CALLS - 1`` rounds are timed,
-fewer when the round budget is spent (large graphs).
+its own; ``total`` is the time of ``CALLS`` calls as for training. Up to ``CALLS - 1`` rounds
+are timed, fewer when the round budget is spent (large graphs) and granii has settled.
 
 Correctness first, on copies: training mode, one seeded forward and backward (outputs and every
 parameter's gradient) and eval mode outputs on new features, each optimized copy against DGL's
@@ -37,15 +39,16 @@ import torch.nn.functional as F
 from granii import granii as optimize
 
 from . import check
-from .decisions import describe
+from .decisions import Settling, describe
 from .examples import build, set_graph
 from .inputs import FreshFeatures, fresh_graph
 from .load import OthersMeter
 from .restrict import uses_excluded
-from .rounds import interleaved, median, timed
+from .rounds import interleaved, summarise, timed
 
 EPOCHS = 200
 CALLS = 100
+CAP = 5          # rounds stop after CAP x budget seconds, settled or not
 ERRORS = []
 
 
@@ -84,7 +87,7 @@ def correctness(spec, model0, inp, cost_models, training):
     return out
 
 
-def measure(spec, inp, task, cost_models, budget=3.0, max_rounds=None, warmup=1, seed=0):
+def measure(spec, inp, task, cost_models, budget=3.0, max_rounds=None, warmup=0, seed=0):
     """One row of ``models.csv`` (see module doc). ``cost_models``: ``{"granii": model,
     "restricted": model}`` (``restricted`` may be absent). Never raises for granii's failures."""
     training = task == "train"
@@ -141,27 +144,35 @@ def measure(spec, inp, task, cost_models, budget=3.0, max_rounds=None, warmup=1,
                     x = feats.next()
                     return timed(_infer, spec, m, g, x)
                 fns[name] = call
-        limit = max_rounds or (EPOCHS - 1 if training else CALLS - 1)
+        n = EPOCHS if training else CALLS
+        opt_models = [models[k] for k in names if k != "dgl"]
         with OthersMeter() as others:
-            samples = interleaved(fns, warmup=warmup, max_rounds=limit, min_rounds=3,
-                                  budget=budget)
+            samples, steady_from = interleaved(
+                fns, warmup=warmup, max_rounds=max_rounds or n - 1, min_rounds=3, budget=budget,
+                settled=Settling(*opt_models), cap=max(CAP * budget, 5.0))
     except Exception as e:                 # noqa: BLE001
         ERRORS.append((dict(row), traceback.format_exc()[-3000:]))
         row.update(status=f"error: {_short(e)}")
         return row
-    n = EPOCHS if training else CALLS
+    record(row, names, first, samples, steady_from, n)
+    if "granii" in names:
+        row["granii"] = describe(models["granii"])["plans"]
+    row.update(iterations=n, others_cores=others.cores, time=time.strftime("%H:%M:%S"))
+    _ratios(row)
+    return row
+
+
+def record(row, names, first, samples, steady_from, n):
+    """Per candidate: steady median, fastest round, first call and the total of ``n`` calls."""
     for name in names:
-        med = median(samples[name])
+        med, total = summarise(first[name], samples[name], steady_from, n)
         row[f"{name}_ms"] = med * 1e3
         row[f"{name}_min_ms"] = min(samples[name]) * 1e3
         row[f"{name}_first_ms"] = first[name] * 1e3
-        row[f"{name}_total_ms"] = (first[name] + (n - 1) * med) * 1e3
-    if "granii" in names:
-        row["granii"] = describe(models["granii"])["plans"]
-    row.update(rounds=len(samples["dgl"]), iterations=n, others_cores=others.cores,
-               time=time.strftime("%H:%M:%S"))
-    _ratios(row)
-    return row
+        row[f"{name}_total_ms"] = total * 1e3
+    row["rounds"] = len(samples["dgl"])
+    row["steady_rounds"] = (len(samples["dgl"]) - steady_from if steady_from is not None
+                            else 0)
 
 
 def _ratios(row):

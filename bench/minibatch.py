@@ -12,8 +12,8 @@ included (what the user's epoch costs); the time spent inside the loader is reco
 ``model`` times (the epoch without the sampling) can be compared as well. Rounds alternate the
 candidates epoch by epoch after a warm-up epoch each.
 
-Seeds (the training nodes of an epoch): a fixed random ``max_seeds`` of the graph's nodes (8,192:
-8 batches), or all of them on a smaller graph, so an epoch stays within seconds on two cores.
+Seeds (the training nodes of an epoch): a fixed random ``max_seeds`` of the graph's nodes (4,096:
+4 batches), or all of them on a smaller graph, so an epoch stays within seconds on two cores.
 The first epoch of each candidate (for granii with ``granii(...)`` on its first batch) is timed
 apart and is the warm-up; then at least 3 rounds (at most ``max_rounds``, within ``budget``).
 
@@ -109,7 +109,7 @@ def correctness(spec, model0, inp, fanouts, seeds, cost_models):
     return out
 
 
-def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=5, max_seeds=8192,
+def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=5, max_seeds=4096,
             seed=0):
     """One row of ``models.csv`` with ``task="minibatch"`` (see module doc)."""
     seeds = seeds_of(inp.g, max_seeds, seed)
@@ -142,8 +142,8 @@ def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=5, max_seed
                                       cost_models.get(name))
             first[name] = ep()                # includes granii(...) on the first batch
         with OthersMeter() as others:
-            samples = interleaved(dict(epochs), warmup=0, max_rounds=max_rounds,
-                                  min_rounds=min(3, max_rounds), budget=budget)
+            samples, _ = interleaved(dict(epochs), warmup=0, max_rounds=max_rounds,
+                                     min_rounds=min(3, max_rounds), budget=budget)
     except Exception as e:                 # noqa: BLE001
         ERRORS.append((dict(row), traceback.format_exc()[-3000:]))
         row.update(status=f"error: {_short(e)}")

@@ -1,9 +1,15 @@
-"""Side-by-side rounds: every candidate once per round, in turn, after a warm-up; medians.
+"""Side-by-side rounds: every candidate once per round, in turn; medians of the steady rounds.
 
 A candidate is a callable returning the seconds it measured itself, so work that must not be
 timed (making a new feature tensor, fetching the next sampled batch) happens inside it, before its
-own timer starts. Rounds stop at ``max_rounds`` or, once ``min_rounds`` are done, when ``budget``
-seconds have passed since the first timed round.
+own timer starts.
+
+granii may spend its first calls timing candidate plans against each other (a measured
+tie-break) before it keeps one. ``settled()`` says whether every optimized copy has kept its
+choice; the rounds from the first one that starts settled on are the *steady* rounds, and the
+steady time of every candidate is the median of those same rounds. Rounds stop at
+``max_rounds``, or once ``min_rounds`` are done, ``budget`` seconds have passed and at least
+``min_steady`` steady rounds are in; never later than ``cap`` seconds.
 """
 import statistics
 import time
@@ -16,23 +22,42 @@ def timed(fn, *args):
     return time.perf_counter() - t0
 
 
-def interleaved(cands, warmup=1, max_rounds=30, min_rounds=3, budget=None):
-    """``{name: [seconds per round]}`` for the candidates ``{name: measure()}``."""
+def interleaved(cands, warmup=0, max_rounds=30, min_rounds=3, budget=None, settled=None,
+                min_steady=3, cap=None):
+    """``({name: [seconds per round]}, index of the first steady round)`` for the candidates
+    ``{name: measure()}`` (see module doc; without ``settled`` every round is steady)."""
     for _ in range(warmup):
         for measure in cands.values():
             measure()
     samples = {k: [] for k in cands}
+    steady_from = 0 if settled is None else None
     start = time.perf_counter()
     for r in range(max_rounds):
+        if steady_from is None and settled():
+            steady_from = r
         for k, measure in cands.items():
             samples[k].append(measure())
-        if budget is not None and r + 1 >= min_rounds and time.perf_counter() - start > budget:
+        elapsed = time.perf_counter() - start
+        n_steady = 0 if steady_from is None else r + 1 - steady_from
+        if cap is not None and elapsed > cap:
             break
-    return samples
+        if (budget is not None and r + 1 >= min_rounds and elapsed > budget
+                and n_steady >= min(min_steady, r + 1)):
+            break
+    return samples, steady_from
+
+
+def summarise(first, samples, steady_from, calls):
+    """``(steady median, total of `calls` calls)`` of one candidate: the first call, the calls
+    measured, and the steady median for the calls not measured."""
+    steady = samples[steady_from:] if steady_from is not None else samples
+    med = statistics.median(steady or samples)
+    measured = samples[:calls - 1]
+    return med, first + sum(measured) + max(0, calls - 1 - len(measured)) * med
 
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-__all__ = ["interleaved", "timed", "median"]
+__all__ = ["interleaved", "summarise", "timed", "median"]

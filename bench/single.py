@@ -13,8 +13,10 @@ graph at ``(k_in, k_out)``, two rows:
 Candidates side by side (``rounds.interleaved``): ``dgl``, ``granii`` and, on new features,
 ``restricted`` (selection without the project's own kernels). Each has its own copy of the
 graph. The first call is timed on its own and includes ``granii(layer, g, x0)`` (``x0`` another
-tensor of the same shape, so on new features the first call reuses nothing);
-``total = first + 99 x steady`` (100 calls). Layers run in eval mode under ``torch.no_grad``.
+tensor of the same shape, so on new features the first call reuses nothing); ``total`` is the time
+of 100 calls: the first, the calls measured, and the steady median for the calls not measured
+(``rounds.summarise``; steady: after granii's measured tie-break has settled). Layers run in
+eval mode under ``torch.no_grad``.
 
 Correctness, after timing, of the very copies timed: the output on a new tensor and, with the
 same features, on the timed tensor called twice more (the reuse path), against DGL's layer
@@ -30,11 +32,11 @@ from dgl.nn import SGConv
 from granii import granii as optimize
 
 from . import check, models
-from .decisions import describe
-from .fullbatch import _ratios, _short
+from .decisions import Settling, describe
+from .fullbatch import CAP, _ratios, _short, record
 from .inputs import FreshFeatures, fresh_graph
 from .load import OthersMeter
-from .rounds import interleaved, median, timed
+from .rounds import interleaved, timed
 
 CALLS = 100
 LAYERS = ("gcn", "sgc", "tagcn", "gin", "sage", "gat")
@@ -135,16 +137,13 @@ def _time(layer0, g, x, names, features, budget, max_rounds, seed):
             fns[name] = lambda layer=layer, fg=fg: timed(_call, layer, fg, feats.next())
         else:
             fns[name] = lambda layer=layer, fg=fg: timed(_call, layer, fg, x)
+    opt_layers = [layers[k][0] for k in names if k != "dgl"]
     with OthersMeter() as others:
-        samples = interleaved(fns, warmup=1, max_rounds=max_rounds, min_rounds=5, budget=budget)
-    for name in names:
-        med = median(samples[name])
-        row[f"{name}_ms"] = med * 1e3
-        row[f"{name}_min_ms"] = min(samples[name]) * 1e3
-        row[f"{name}_first_ms"] = first[name] * 1e3
-        row[f"{name}_total_ms"] = (first[name] + (CALLS - 1) * med) * 1e3
-    row.update(rounds=len(samples["dgl"]), others_cores=others.cores,
-               time=time.strftime("%H:%M:%S"))
+        samples, steady_from = interleaved(
+            fns, max_rounds=max_rounds, min_rounds=5, budget=budget,
+            settled=Settling(*opt_layers), cap=CAP * max(budget, 0.5))
+    record(row, names, first, samples, steady_from, CALLS)
+    row.update(others_cores=others.cores, time=time.strftime("%H:%M:%S"))
     return row, layers
 
 

@@ -153,15 +153,24 @@ def joint_table(models_df, layers_df):
             for t in TASKS:
                 sub = ok[(ok.model == m) & (ok.task == t)]
                 cells.append(fmt(geomean(sub.joint_gain)) if len(sub) else "-")
-            rows.append([MODEL_NAMES.get(m, m)] + cells)
-    header = ["model"] + [TASKS[t] for t in TASKS]
+            rows.append([f"{MODEL_NAMES.get(m, m)} ({LAYER_NAMES[m]})"] + cells)
+    header = ["model (layer)"] + [TASKS[t] for t in TASKS]
+    names = {f"{MODEL_NAMES.get(m, m)} ({LAYER_NAMES[m]})": m for m in MODEL_ORDER}
     if layers_df is not None:
         ok = valid_restricted(layers_df[layers_df.features == "new"])
         header.append("single layer, new features")
         by = {m: geomean(g.joint_gain) for m, g in ok.groupby("model")}
-        names = {MODEL_NAMES.get(m, m): m for m in MODEL_ORDER}
         for r in rows:
             r.append(fmt(by.get(names.get(r[0]))))
+    header.append("configurations where granii chose a native kernel")
+    for r in rows:
+        m, used, n = names.get(r[0]), 0, 0
+        for d in (models_df, layers_df):
+            if d is not None and "granii" in d:
+                sub = valid(d[d.model == m])
+                n += len(sub)
+                used += int(sub.granii.fillna("").astype(str).str.contains("native").sum())
+        r.append(f"{used}/{n}")
     return table(header, rows) if rows else ""
 
 
@@ -320,36 +329,43 @@ HOW = """\
 
 * Models are DGL's examples in their own shapes (`bench/examples.py`): dropout where the example has
   it, `GATConv` with 8 heads, GraphSAGE with the mean aggregator, 2 layers where the example has 2
-  (GIN: its 4 GIN layers). Graphs: Cora and CiteSeer with their Planetoid features, labels and
-  split; PubMed and GitHub (the largest graph shipped, 37,700 nodes and 615,706 edges with loops)
-  with random features (500 and 128 wide) and labels. One self-loop per node everywhere.
+  (GIN: its 4 GIN layers, whose sum-pooling readout granii leaves to DGL). Graphs: Cora and
+  CiteSeer with their Planetoid features, labels and split; PubMed and GitHub (the largest graph
+  shipped, 37,700 nodes and 615,706 edges with loops) with random features (500 and 128 wide) and
+  labels. One self-loop per node everywhere.
 * DGL's model and the same model after `granii(model, g, x)` (`copy.deepcopy` of one model built
   with a fixed seed: the same weights) run side by side in one process, 2 torch threads, one
-  round per candidate in turn after a warm-up; each has its own copy of the graph. Times are
-  medians of the rounds; ratios are DGL's time over granii's.
+  round per candidate in turn; each has its own copy of the graph. Ratios are DGL's time over
+  granii's.
+* Totals count every call: the first call (for granii with the `granii(...)` call itself), every
+  call measured after it (granii's first calls include its measured tie-break, where candidate
+  plans and the layer's own forward take turns), and the steady median for calls not measured.
+  `steady` compares the medians of the rounds after granii has settled (the same rounds for both).
 * Full-batch training: forward in train mode (dropout on), cross-entropy on the training nodes,
-  backward, Adam step; ratio of `first epoch + 199 x median epoch` (DGL's examples run 200
-  epochs; granii's first epoch includes the `granii(...)` call). SGC trains with
+  backward, Adam step; total of 200 epochs (DGL's examples run 200). SGC trains with
   `SGConv(cached=True)` as DGL's example does, so DGL's own reuse is in its time.
 * Inference: `model.eval()`, `torch.no_grad()`, and each call on a feature tensor no earlier call
   saw (made outside the timer): nothing that depends on features can be reused, as in every hidden
-  layer. Ratio of `first call + 99 x median call` (100 calls); granii's first call includes
-  `granii(model, g, x0)` on other features. Up to 99 rounds, fewer on the larger graphs
-  (a time budget per configuration). SGC runs uncached here (a cache would return stale results).
-* Mini-batch training: `dgl.dataloading.NeighborSampler` + `DataLoader` (batch 1024, shuffled),
-  the blocks of each batch used once; one epoch per round, sampling included (the `without
-  sampling` column subtracts the time spent in the loader). granii decides on the first block
-  and reuses that decision for later blocks of the same sampler configuration.
+  layer. Total of 100 calls; granii's first call includes `granii(model, g, x0)` on other
+  features. Up to 99 calls are timed, fewer on the larger graphs (a time budget per
+  configuration, extended until granii has settled). SGC runs uncached here (DGL's cache would
+  return stale results on new features).
+* Mini-batch training: `dgl.dataloading.NeighborSampler` + `DataLoader` (batch 1024, shuffled, 4,096
+  seed nodes per epoch), the blocks of each batch used once; one epoch per round, sampling
+  included (`without sampling` subtracts the time spent in the loader); the first epoch of each
+  candidate is timed apart. granii decides on the first block and reuses that decision for later
+  blocks of the same sampler configuration.
 * Single layers: one layer in inference at `(k_in, k_out)` from {32, 128, 512}; `new features`
   as above, `same features again` passes one tensor every call (granii may keep work on it; for
   SGConv DGL's column is `SGConv(cached=True)` with the same weights). 100 calls, first call
-  (with `granii(...)`) included.
+  (with `granii(...)`) included. Run last, level by level of sizes, until the run's time is spent.
 * Joint gain: the time of a copy whose selection may not use the project's own (`native`) kernels
   (composition chosen among DGL's and torch's kernels only) over granii's time with every kernel.
-* Correctness before timing: outputs and, in training, the gradient of every parameter after one
-  seeded forward and backward (the same dropout masks), each optimized copy against DGL's model;
-  a configuration passes when every difference is within 1e-3 of the largest value. A failing
-  configuration is listed below and left out of every mean.
+* Correctness: models before timing, on copies: outputs and, in training, the gradient of every
+  parameter after one seeded forward and backward (the same dropout masks), and eval outputs on
+  new features; single layers after timing, on the very copies timed (a new tensor, and the same
+  tensor again). A configuration passes when every difference is within 1e-3 of the largest
+  value; one that fails is listed below and left out of every mean.
 """
 
 
@@ -370,8 +386,8 @@ def write(out, command=""):
         h.update({f"models_{t}": s[t]["all"] for t in s})
         md.append("\n## Headline: DGL time / granii time\n\nGeometric mean over the graphs of "
                   "each model (configurations that passed the correctness check / measured). "
-                  "Training: 200 epochs with the first; inference: 100 calls on new features "
-                  "with the first; mini-batch: per epoch, sampling included.\n\n")
+                  "Training: 200 epochs, the first included; inference: 100 calls on new "
+                  "features, the first included; mini-batch: per epoch, sampling included.\n\n")
         md.append(headline_table(models_df))
         md.append(_noise_line(models_df, "task", TASKS))
         if png:

@@ -116,35 +116,38 @@ def write_csv(path, rows):
         w.writerows(rows)
 
 
+# rough seconds per configuration on this machine under load, for the progress bar
+WEIGHT = {"train": 18, "infer": 10, "minibatch": 40, "layers": {"cora": 4, "pubmed": 7}}
+
+
 def plan(args):
     """``[(part, key, weight)]``: every configuration of the run, in order, with a rough cost
-    (seconds on an idle machine) for the progress bar."""
+    (seconds) for the progress bar."""
     q = 1 if args.quick else 0
+    scale = 0.25 if args.quick else 1.0
     graphs = [g for g in (args.graphs.split(",") if args.graphs else
                           (inputs.QUICK_GRAPHS if args.quick else inputs.FULL_GRAPHS))]
-    big = {"pubmed": 2, "github-social": 5}
     todo = []
     if "models" in args.parts:
         for gname in graphs:
             for task in ("train", "infer"):
                 for m in args.models:
                     if m in examples.FULL:
-                        w = (1 if args.quick else 4) * big.get(gname, 1)
-                        todo.append(("models", (m, gname, task), w))
+                        todo.append(("models", (m, gname, task), WEIGHT[task] * scale))
     if "minibatch" in args.parts:
         mb = ([g for g in graphs if g in MINIBATCH_GRAPHS[0]] if args.graphs
               else MINIBATCH_GRAPHS[q])
         for gname in mb:
             for m in examples.SAMPLED:
                 if m in args.models:
-                    todo.append(("minibatch", (m, gname), 6 if args.quick else 25))
+                    todo.append(("minibatch", (m, gname), WEIGHT["minibatch"] * scale))
     if "layers" in args.parts:
         lg = [g for g in graphs if g in LAYER_GRAPHS[0]] if args.graphs else LAYER_GRAPHS[q]
         for level, m, gname, ki, ko in single.configs(lg, args.quick,
                                                        [m for m in single.LAYERS
                                                         if m in args.models]):
-            todo.append(("layers", (m, gname, ki, ko), (1 if args.quick else 2.5)
-                         * big.get(gname, 1) * (1 + max(ki, ko) / 512)))
+            w = WEIGHT["layers"].get(gname, 9) * (0.75 + max(ki, ko) / 512) * scale
+            todo.append(("layers", (m, gname, ki, ko), w))
     return todo
 
 
@@ -165,7 +168,9 @@ def run(args, cost_model, out, log):
             skipped = len(todo) - i
             log(f"time budget spent: {skipped} single-layer configurations left out")
             break
-        bar.set_postfix_str(f"{part} {' '.join(map(str, key))}")
+        ends = (f", ends by {time.strftime('%H:%M', time.localtime(deadline + 45))}"
+                if deadline else "")
+        bar.set_postfix_str(f"{part} {' '.join(map(str, key))}{ends}")
         gname = key[1]
         if gname not in loaded:
             loaded[gname] = inputs.load(gname)

@@ -56,6 +56,19 @@ def _csr(gi, which):
     return idx.indptr, idx.indices, idx.eids
 
 
+def _t2in(gi):
+    """Position in the CSR of ``A`` of each entry of the CSR of ``A^T`` (the same edge), in the
+    index type of the CSR; once per graph. The backward writes per-edge values in ``A``'s order
+    through it, so their destination-side sums read contiguous rows."""
+    def make():
+        indptr, _, eid_a = _csr(gi, "a")
+        _, _, eid_t = _csr(gi, "at")
+        ar = torch.arange(gi.num_edges)
+        pos = ar if eid_a is None else torch.empty_like(ar).scatter_(0, eid_a.long(), ar)
+        return (pos if eid_t is None else pos[eid_t.long()]).to(indptr.dtype).contiguous()
+    return gi.memo("native_gat_t2in", make)
+
+
 def _coo(gi):
     """``(src, dst)`` of each edge in edge-id order, int32 when every index fits; once per graph."""
     def make():
@@ -84,9 +97,8 @@ class _GatFused(torch.autograd.Function):
     def backward(ctx, dout):
         el, er, feat, w, mx, inv, out = ctx.saved_tensors
         need = ctx.needs_input_grad
-        indptr, _, eids = _csr(ctx.gi, "a")
         grads = _OPS.gat_backward(
-            indptr, eids, *_csr(ctx.gi, "at"), el, er, feat, w, ctx.slope, mx, inv, out, dout.contiguous(),
+            _csr(ctx.gi, "a")[0], _t2in(ctx.gi), *_csr(ctx.gi, "at"), el, er, feat, w, ctx.slope, mx, inv, out, dout.contiguous(),
             need[0], need[1], need[2], need[3] and w is not None)
         return tuple(g if n else None for g, n in zip(grads, need[:4])) + (None, None)
 

@@ -132,15 +132,6 @@ inline void axpy(T* __restrict o, const T* __restrict x, T c, int64_t Fr) {
   for (int64_t f = 0; f < F; ++f) o[f] += c * x[f];
 }
 
-// <a[0:F], b[0:F]>
-template <int FC, typename T>
-inline T dot(const T* __restrict a, const T* __restrict b, int64_t Fr) {
-  const int64_t F = FC > 0 ? FC : Fr;
-  T acc = T(0);
-  for (int64_t f = 0; f < F; ++f) acc += a[f] * b[f];
-  return acc;
-}
-
 // GCC/Clang vector types of L lanes (mapped onto SSE, AVX2 or AVX-512, as -march allows): the
 // accumulators of a tile stay in registers.
 template <typename T, int L>
@@ -370,69 +361,275 @@ void forward_rows(const Gat<T, I>& g, T* out, T* mx, T* inv, int64_t r0, int64_t
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward, part 1, over source rows [r0, r1) of A^T (g.indptr/indices/eids are the transpose:
-// rows = sources, columns = destinations). With a_e recomputed from m_v and 1/S_v,
-//   d_e   = <dout[v,h], feat[u,h]>,   D_v = <dout[v,h], out[v,h]> = sum_e a_e w_e d_e
+// Backward, over source rows of A^T (g.indptr/indices/eids are the transpose: rows = sources,
+// columns = destinations), so every source-side gradient is summed by one thread. For an edge
+// e = (u -> v) and head h, with a_e recomputed from m_v and 1/S_v:
+//   d_e   = <dout[v,h], feat[u,h]>,   D_v = <dout[v,h], out[v,h]> (= sum_e a_e w_e d_e)
 //   dfeat[u,h] = sum_e a_e w_e dout[v,h]
-//   dx_e  = a_e (w_e d_e - D_v) * leaky'(x_e),  del[u,h] = sum_e dx_e
-//   dw_e  = sum_h a_e d_e
-// dx_e is written to gx (E, H) for the destination-side sum der[v,h] = sum_e dx_e.
-template <typename T>
+//   dx_e  = a_e (w_e d_e - D_v) leaky'(x_e),   del[u,h] = sum_e dx_e,   dw_e = sum_h a_e d_e
+// dx_e goes to gx (E, H) at the edge's position in the CSR of A (t2in maps each entry of A^T to
+// it), so the destination-side sums der[v,h] = sum_e dx_e read contiguous rows.
+template <typename T, typename I>
 struct Grads {
   const T* dout;  // (num_dst, H, F)
-  const T* dsum;  // (num_dst, H): D_v
-  const T* mx;
-  const T* inv;
+  const T* rowv;  // (num_dst, 4, H): er, m, 1/S, D of each destination, side by side
   T* dfeat;       // (num_src, H, F) or nullptr
   T* del;         // (num_src, H) or nullptr
-  T* gx;          // (E, H) or nullptr
+  T* gx;          // (E, H) in CSR-of-A order, or nullptr
+  const I* t2in;  // (E,) position in the CSR of A of each entry of A^T
   T* dw;          // (E,) or nullptr
 };
 
+// a (deg, H) and c = a w (deg, H) for the out-edges b .. b + deg of source u; requests the
+// destination values kAhead entries ahead and, when `early`, the dout rows of this row.
+template <int HC, typename T, typename I>
+void edge_attention(const Gat<T, I>& g, const Grads<T, I>& d, int64_t u, int64_t b, int64_t deg, int64_t last,
+                    bool early, T* __restrict A, T* __restrict C) {
+  const int64_t H = HC > 0 ? HC : g.H, HF = H * g.F;
+  const I* __restrict indices = g.indices;
+  const T* __restrict elu = g.el + u * H;
+  for (int64_t j = 0; j < deg; ++j) {
+    if (b + j + kAhead < last) prefetch_row(d.rowv + static_cast<int64_t>(indices[b + j + kAhead]) * 4 * H, 4 * H);
+    const int64_t v = indices[b + j];
+    if (early) prefetch_row(d.dout + v * HF, HF);
+    const T* __restrict rv = d.rowv + v * 4 * H;
+    const T wj = g.w ? g.w[edge_id(g.eids, b + j)] : T(1);
+    if constexpr (HC > 0 && std::is_same<T, float>::value) {
+      using V = typename VecT<float, HC>::type;
+      const V* r = reinterpret_cast<const V*>(rv);
+      V z = *reinterpret_cast<const V*>(elu) + r[0];
+      z = z > 0.0f ? z : z * g.slope;
+      const V av = exp_vec(z - r[1]) * r[2];
+      *reinterpret_cast<V*>(A + j * H) = av;
+      *reinterpret_cast<V*>(C + j * H) = av * wj;
+    } else {
+      for (int64_t h = 0; h < H; ++h) {
+        const T av = exp_approx(leaky(elu[h] + rv[h], g.slope) - rv[H + h]) * rv[2 * H + h];
+        A[j * H + h] = av;
+        C[j * H + h] = av * wj;
+      }
+    }
+  }
+}
+
+// P[j, h] = <dout[cols[j], h, :], fu[h, :]> for the deg entries of a row.
 template <int FC, typename T, typename I>
-void backward_src_rows(const Gat<T, I>& g, const Grads<T>& d, int64_t r0, int64_t r1) {
-  const int64_t H = g.H, F = FC > 0 ? FC : g.F, HF = H * F;
-  const bool need_x = d.del || d.gx || d.dw;
-  std::vector<T> a(H), dl(H);
-  for (int64_t u = r0; u < r1; ++u) {
-    const int64_t b = g.indptr[u], end = g.indptr[u + 1];
-    const T* fu = g.feat + u * HF;
-    const T* elu = g.el + u * H;
-    T* dfu = d.dfeat ? d.dfeat + u * HF : nullptr;
-    if (dfu) std::fill(dfu, dfu + HF, T(0));
-    std::fill(dl.begin(), dl.end(), T(0));
-    for (int64_t j = b; j < end; ++j) {
-      const int64_t v = g.indices[j], e = edge_id(g.eids, j);
+void row_dots(const T* __restrict dout, const I* __restrict cols, const T* __restrict fu, int64_t deg,
+              int64_t H, int64_t Fr, T* __restrict P) {
+  const int64_t F = FC > 0 ? FC : Fr, HF = H * F;
+  for (int64_t j = 0; j < deg; ++j) {
+    const T* __restrict dv = dout + static_cast<int64_t>(cols[j]) * HF;
+    for (int64_t h = 0; h < H; ++h) {
+      const T* __restrict x = dv + h * F;
+      const T* __restrict y = fu + h * F;
+      T acc = T(0);
+#pragma omp simd reduction(+ : acc)
+      for (int64_t f = 0; f < F; ++f) acc += x[f] * y[f];
+      P[j * H + h] = acc;
+    }
+  }
+}
+
+// From a (A), the dots (P) of the out-edges of source u: gx, dw per edge and del[u].
+template <int HC, typename T, typename I>
+void edge_score_grads(const Gat<T, I>& g, const Grads<T, I>& d, int64_t u, int64_t b, int64_t deg,
+                      const T* __restrict A, const T* __restrict P) {
+  const int64_t H = HC > 0 ? HC : g.H;
+  const I* __restrict indices = g.indices;
+  const T* __restrict elu = g.el + u * H;
+  T* __restrict dl = d.del ? d.del + u * H : nullptr;
+  if constexpr (HC > 0 && std::is_same<T, float>::value) {
+    using V = typename VecT<float, HC>::type;
+    V acc = V{};
+    const V el = *reinterpret_cast<const V*>(elu);
+    for (int64_t j = 0; j < deg; ++j) {
+      const int64_t v = indices[b + j], e = edge_id(g.eids, b + j);
+      const V* r = reinterpret_cast<const V*>(d.rowv + v * 4 * H);
       const T wj = g.w ? g.w[e] : T(1);
-      const T* erv = g.er + v * H;
-      const T* mv = d.mx + v * H;
-      const T* iv = d.inv + v * H;
-      for (int64_t h = 0; h < H; ++h) a[h] = exp_approx(leaky(elu[h] + erv[h], g.slope) - mv[h]) * iv[h];
-      const T* dov = d.dout + v * HF;
+      const V av = *reinterpret_cast<const V*>(A + j * H);
+      const V pv = *reinterpret_cast<const V*>(P + j * H);
+      const V x = el + r[0];
+      V dx = av * (pv * wj - r[3]);
+      dx = x > 0.0f ? dx : dx * g.slope;
+      acc += dx;
+      if (d.gx) *reinterpret_cast<V*>(d.gx + static_cast<int64_t>(d.t2in[b + j]) * H) = dx;
+      if (d.dw) {
+        const V q = av * pv;
+        T sum = T(0);
+        for (int h = 0; h < HC; ++h) sum += q[h];
+        d.dw[e] = sum;
+      }
+    }
+    if (dl) *reinterpret_cast<V*>(dl) = acc;
+  } else {
+    if (dl) std::fill(dl, dl + H, T(0));
+    for (int64_t j = 0; j < deg; ++j) {
+      const int64_t v = indices[b + j], e = edge_id(g.eids, b + j);
+      const T* __restrict rv = d.rowv + v * 4 * H;
+      const T wj = g.w ? g.w[e] : T(1);
       T dwe = T(0);
       for (int64_t h = 0; h < H; ++h) {
-        const T* doh = dov + h * F;
-        if (dfu) {
-          const T c = a[h] * wj;
-          T* dfh = dfu + h * F;
-          for (int64_t f = 0; f < F; ++f) dfh[f] += c * doh[f];
-        }
-        if (need_x) {
-          const T* fh = fu + h * F;
-          T dot = T(0);
-          for (int64_t f = 0; f < F; ++f) dot += doh[f] * fh[f];
-          dwe += a[h] * dot;
-          const T x = elu[h] + erv[h];
-          T dx = a[h] * (wj * dot - d.dsum[v * H + h]);
-          dx = x > T(0) ? dx : dx * g.slope;
-          dl[h] += dx;
-          if (d.gx) d.gx[e * H + h] = dx;
-        }
+        const T av = A[j * H + h], pv = P[j * H + h];
+        T dx = av * (wj * pv - rv[3 * H + h]);
+        dx = elu[h] + rv[h] > T(0) ? dx : dx * g.slope;
+        if (dl) dl[h] += dx;
+        if (d.gx) d.gx[static_cast<int64_t>(d.t2in[b + j]) * H + h] = dx;
+        dwe += av * pv;
       }
       if (d.dw) d.dw[e] = dwe;
     }
-    if (d.del) std::copy(dl.begin(), dl.end(), d.del + u * H);
   }
+}
+
+template <typename T, typename I>
+struct BackwardFns {
+  void (*attention)(const Gat<T, I>&, const Grads<T, I>&, int64_t, int64_t, int64_t, int64_t, bool, T*, T*);
+  void (*score_grads)(const Gat<T, I>&, const Grads<T, I>&, int64_t, int64_t, int64_t, const T*, const T*);
+};
+
+template <typename T, typename I>
+BackwardFns<T, I> backward_fns(int64_t H) {
+  if constexpr (std::is_same<T, float>::value) {
+    switch (H) {
+      case 4: return {&edge_attention<4, T, I>, &edge_score_grads<4, T, I>};
+      case 8: return {&edge_attention<8, T, I>, &edge_score_grads<8, T, I>};
+      case 16: return {&edge_attention<16, T, I>, &edge_score_grads<16, T, I>};
+      default: break;
+    }
+  }
+  return {&edge_attention<0, T, I>, &edge_score_grads<0, T, I>};
+}
+
+template <int FC, typename T, typename I>
+void backward_src_rows(const Gat<T, I>& g, const Grads<T, I>& d, int64_t r0, int64_t r1) {
+  const int64_t H = g.H, F = FC > 0 ? FC : g.F, HF = H * F;
+  const bool need_x = d.del || d.gx || d.dw;
+  const int64_t last = g.indptr[r1];
+  const bool early = HF * static_cast<int64_t>(sizeof(T)) <= kEarlyRowBytes;
+  const auto fns = backward_fns<T, I>(H);
+  std::vector<T> A, C, P;
+  for (int64_t u = r0; u < r1; ++u) {
+    const int64_t b = g.indptr[u], deg = g.indptr[u + 1] - b;
+    if (deg == 0) {
+      if (d.dfeat) std::fill(d.dfeat + u * HF, d.dfeat + u * HF + HF, T(0));
+      if (d.del) std::fill(d.del + u * H, d.del + u * H + H, T(0));
+      continue;
+    }
+    if (static_cast<int64_t>(A.size()) < deg * H) {
+      A.resize(deg * H);
+      C.resize(deg * H);
+      P.resize(deg * H);
+    }
+    fns.attention(g, d, u, b, deg, last, early, A.data(), C.data());
+    if (d.dfeat) gather_row<FC>(d.dout, g.indices + b, C.data(), deg, H, F, d.dfeat + u * HF);
+    if (need_x) {
+      row_dots<FC>(d.dout, g.indices + b, g.feat + u * HF, deg, H, F, P.data());
+      fns.score_grads(g, d, u, b, deg, A.data(), P.data());
+    }
+  }
+}
+
+// The same backward for narrow heads (float, H in {4, 8, 16}, F <= 16), all in one walk over the
+// out-edges: with dout transposed to (num_dst, F, H), every per-head quantity is one vector of H
+// lanes, so the dots d_e are F multiply-adds of vectors (no horizontal sums) and dfeat[u]
+// accumulates, transposed, in F vector registers.
+template <int FC, int HC, typename I>
+void backward_src_rows_narrow(const Gat<float, I>& g, const Grads<float, I>& d, const float* doutT, int64_t r0,
+                              int64_t r1) {
+  using V = typename VecT<float, HC>::type;
+  constexpr int64_t HF = HC * FC;
+  const I* __restrict indices = g.indices;
+  const int64_t last = g.indptr[r1];
+  const float slope = g.slope;
+  for (int64_t u = r0; u < r1; ++u) {
+    const int64_t b = g.indptr[u], deg = g.indptr[u + 1] - b;
+    const float* fu = g.feat + u * HF;
+    V fuT[FC], acc[FC];
+    for (int f = 0; f < FC; ++f) {
+      acc[f] = V{};
+      for (int h = 0; h < HC; ++h) fuT[f][h] = fu[h * FC + f];
+    }
+    const V el = *reinterpret_cast<const V*>(g.el + u * HC);
+    V dl = V{};
+    for (int64_t j = 0; j < deg; ++j) {
+      if (b + j + kAhead < last) {
+        const int64_t vn = indices[b + j + kAhead];
+        prefetch_row(d.rowv + vn * 4 * HC, 4 * HC);
+        prefetch_row(doutT + vn * HF, HF);
+      }
+      const int64_t v = indices[b + j], e = edge_id(g.eids, b + j);
+      const V* r = reinterpret_cast<const V*>(d.rowv + v * 4 * HC);
+      const float wj = g.w ? g.w[e] : 1.0f;
+      const V x = el + r[0];
+      const V z = x > 0.0f ? x : x * slope;
+      const V a = exp_vec(z - r[1]) * r[2];
+      const V c = a * wj;
+      const V* dT = reinterpret_cast<const V*>(doutT + v * HF);
+      V p = V{};
+      for (int f = 0; f < FC; ++f) {
+        p += dT[f] * fuT[f];
+        acc[f] += c * dT[f];
+      }
+      V dx = a * (p * wj - r[3]);
+      dx = x > 0.0f ? dx : dx * slope;
+      dl += dx;
+      if (d.gx) *reinterpret_cast<V*>(d.gx + static_cast<int64_t>(d.t2in[b + j]) * HC) = dx;
+      if (d.dw) {
+        const V q = a * p;
+        float sum = 0.0f;
+        for (int h = 0; h < HC; ++h) sum += q[h];
+        d.dw[e] = sum;
+      }
+    }
+    if (d.dfeat) {
+      float* df = d.dfeat + u * HF;
+      for (int f = 0; f < FC; ++f)
+        for (int h = 0; h < HC; ++h) df[h * FC + f] = acc[f][h];
+    }
+    if (d.del) *reinterpret_cast<V*>(d.del + u * HC) = dl;
+  }
+}
+
+// Calls fn(integral_constant<F>, integral_constant<H>) when (F, H) has a narrow-head kernel.
+template <typename Fn>
+bool dispatch_narrow(int64_t F, int64_t H, const Fn& fn) {
+  auto heads = [&](auto fc) {
+    switch (H) {
+      case 4: fn(fc, std::integral_constant<int, 4>()); return true;
+      case 8: fn(fc, std::integral_constant<int, 8>()); return true;
+      case 16: fn(fc, std::integral_constant<int, 16>()); return true;
+      default: return false;
+    }
+  };
+  switch (F) {
+    case 4: return heads(std::integral_constant<int, 4>());
+    case 8: return heads(std::integral_constant<int, 8>());
+    case 16: return heads(std::integral_constant<int, 16>());
+    default: return false;
+  }
+}
+
+// rowv (rows, 4, H) = [er, m, 1/S, D] per row with D[v, h] = <dout[v, h], out[v, h]>.
+template <int FC, typename T>
+void pack_rows(const T* er, const T* mx, const T* inv, const T* dout, const T* out, int64_t rows, int64_t H,
+               int64_t Fr, T* rowv) {
+  const int64_t F = FC > 0 ? FC : Fr;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kSerialWork / std::max<int64_t>(H * F, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t v = r0; v < r1; ++v) {
+      T* rv = rowv + v * 4 * H;
+      for (int64_t h = 0; h < H; ++h) {
+        rv[h] = er[v * H + h];
+        rv[H + h] = mx[v * H + h];
+        rv[2 * H + h] = inv[v * H + h];
+        const T* x = dout + (v * H + h) * F;
+        const T* y = out + (v * H + h) * F;
+        T acc = T(0);
+#pragma omp simd reduction(+ : acc)
+        for (int64_t f = 0; f < F; ++f) acc += x[f] * y[f];
+        rv[3 * H + h] = acc;
+      }
+    }
+  });
 }
 
 // Row sums of gathered edge values: y[v, k] = sum_{j in row v} x[eids[j], k]; x (E, K).
@@ -542,7 +739,7 @@ std::vector<at::Tensor> gat_forward(const at::Tensor& indptr, const at::Tensor& 
 
 // Gradients [del, der, dfeat, dw] of gat_forward, an empty tensor where need_* is false.
 // t_* is the CSR of A^T (rows = sources), in_* the CSR of A.
-std::vector<at::Tensor> gat_backward(const at::Tensor& in_indptr, const c10::optional<at::Tensor>& in_eids,
+std::vector<at::Tensor> gat_backward(const at::Tensor& in_indptr, const at::Tensor& t2in,
                                      const at::Tensor& t_indptr, const at::Tensor& t_indices,
                                      const c10::optional<at::Tensor>& t_eids, const at::Tensor& el,
                                      const at::Tensor& er, const at::Tensor& feat,
@@ -551,34 +748,52 @@ std::vector<at::Tensor> gat_backward(const at::Tensor& in_indptr, const c10::opt
                                      bool need_el, bool need_er, bool need_feat, bool need_w) {
   const char* name = "granii::gat_backward";
   check_index(t_indptr, t_indices, t_eids, name);
+  TORCH_CHECK(t2in.scalar_type() == t_indptr.scalar_type() && t2in.is_contiguous() &&
+              t2in.numel() == t_indices.numel(), name, ": t2in must hold one position per entry, index type");
+  TORCH_CHECK(in_indptr.scalar_type() == t_indptr.scalar_type(), name, ": in_indptr must share the index type");
   const int64_t n_src = t_indptr.size(0) - 1, n_dst = in_indptr.size(0) - 1;
   const int64_t H = feat.size(1), F = feat.size(2), E = t_indices.size(0);
   check_inputs(el, er, feat, w, n_src, n_dst, E, name);
   const auto dout = dout_.contiguous();
   TORCH_CHECK(dout.sizes() == out.sizes() && out.size(0) == n_dst, name, ": dout must be (num_dst, H, F)");
-  // D_v = <dout[v,h], out[v,h]>, the softmax's row term
-  const auto dsum = (dout * out).sum(-1).contiguous();
   at::Tensor del, der, dfeat, dw, gx;
   if (need_el) del = at::empty({n_src, H}, feat.options());
   if (need_er) gx = at::empty({E, H}, feat.options());
   if (need_feat) dfeat = at::empty({n_src, H, F}, feat.options());
   if (need_w && w.has_value()) dw = at::empty({E}, feat.options());
+  auto rowv = at::empty({n_dst, 4, H}, feat.options());
   AT_DISPATCH_FLOATING_TYPES(feat.scalar_type(), "gat_backward", [&] {
     using T = scalar_t;
+    dispatch_width(F, [&](auto fc) {
+      pack_rows<decltype(fc)::value, T>(er.data_ptr<T>(), mx.data_ptr<T>(), inv.data_ptr<T>(), dout.data_ptr<T>(),
+                                        out.data_ptr<T>(), n_dst, H, F, rowv.data_ptr<T>());
+    });
     GRANII_DISPATCH_INDEX(t_indptr.scalar_type(), name, [&] {
       const auto g = make_gat<T, index_t>(t_indptr, t_indices, t_eids, el, er, feat, w, slope);
-      Grads<T> d{dout.data_ptr<T>(), dsum.data_ptr<T>(), mx.data_ptr<T>(), inv.data_ptr<T>(),
-                 need_feat ? dfeat.data_ptr<T>() : nullptr, need_el ? del.data_ptr<T>() : nullptr,
-                 need_er ? gx.data_ptr<T>() : nullptr, dw.defined() ? dw.data_ptr<T>() : nullptr};
-      dispatch_width(F, [&](auto fc) {
-        parallel_rows(g.indptr, n_src, 2 * E * H * F, [&](int64_t r0, int64_t r1) {
-          backward_src_rows<decltype(fc)::value>(g, d, r0, r1);
+      Grads<T, index_t> d{dout.data_ptr<T>(), rowv.data_ptr<T>(), need_feat ? dfeat.data_ptr<T>() : nullptr,
+                          need_el ? del.data_ptr<T>() : nullptr, need_er ? gx.data_ptr<T>() : nullptr,
+                          t2in.data_ptr<index_t>(), dw.defined() ? dw.data_ptr<T>() : nullptr};
+      bool narrow = false;
+      if constexpr (std::is_same<T, float>::value) {
+        const auto doutT = dispatch_narrow(F, H, [](auto, auto) {}) ? dout.transpose(1, 2).contiguous()
+                                                                     : at::Tensor();  // (num_dst, F, H)
+        if (doutT.defined()) narrow = dispatch_narrow(F, H, [&](auto fc, auto hc) {
+          parallel_rows(g.indptr, n_src, 2 * E * H * F, [&](int64_t r0, int64_t r1) {
+            backward_src_rows_narrow<decltype(fc)::value, decltype(hc)::value>(g, d, doutT.data_ptr<T>(), r0, r1);
+          });
         });
-      });
+      }
+      if (!narrow) {
+        dispatch_width(F, [&](auto fc) {
+          parallel_rows(g.indptr, n_src, 2 * E * H * F, [&](int64_t r0, int64_t r1) {
+            backward_src_rows<decltype(fc)::value>(g, d, r0, r1);
+          });
+        });
+      }
       if (need_er) {
         der = at::empty({n_dst, H}, feat.options());
-        gather_row_sum<T, index_t>(in_indptr.data_ptr<index_t>(), eid_ptr<index_t>(in_eids), gx.data_ptr<T>(),
-                                   n_dst, H, der.data_ptr<T>());
+        gather_row_sum<T, index_t>(in_indptr.data_ptr<index_t>(), static_cast<const index_t*>(nullptr),
+                                   gx.data_ptr<T>(), n_dst, H, der.data_ptr<T>());
       }
     });
   });
@@ -720,7 +935,7 @@ TORCH_LIBRARY_FRAGMENT(granii, m) {
       "gat_forward(Tensor indptr, Tensor indices, Tensor? eids, Tensor el, Tensor er, Tensor feat, "
       "Tensor? w, float slope) -> Tensor[]");
   m.def(
-      "gat_backward(Tensor in_indptr, Tensor? in_eids, Tensor t_indptr, Tensor t_indices, "
+      "gat_backward(Tensor in_indptr, Tensor t2in, Tensor t_indptr, Tensor t_indices, "
       "Tensor? t_eids, Tensor el, Tensor er, Tensor feat, Tensor? w, float slope, Tensor mx, "
       "Tensor inv, Tensor out, Tensor dout, bool need_el, bool need_er, bool need_feat, "
       "bool need_w) -> Tensor[]");

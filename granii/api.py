@@ -38,7 +38,8 @@ def find_layers(model):
 
 
 def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, inspect_now=True,
-           per_batch=False, reuse_inputs=True, tune=True, deterministic=False, decisions=None):
+           per_batch=False, reuse_inputs=True, tune=True, deterministic=False, decisions=None,
+           memory_limit=None):
     """Optimize every GNN layer of ``model`` in place and return ``model``.
 
     ``cost_model``: an object with ``predict(prim, impl, gi, dims)``; by default the learned models
@@ -69,6 +70,9 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     each layer then runs the saved plan for each call it has one for, without ranking or
     timing, so a run is repeated exactly and a deployment skips deciding.
 
+    ``memory_limit``: bytes; plans whose predicted peak extra memory (results kept per graph or
+    input, plus those of one call) is above it are not chosen (``explain`` shows each plan's).
+
     Calling ``granii`` again on a model updates the options of its layers (and forgets their
     decisions); layers already optimized are not wrapped twice.
     """
@@ -78,7 +82,7 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     if isinstance(decisions, (str, os.PathLike)):
         decisions = load_decisions(decisions)
     opts = Options(cost_model, expected_calls, per_batch, reuse_inputs,
-                   tune and not deterministic and decisions is None, decisions)
+                   tune and not deterministic and decisions is None, decisions, memory_limit)
     layers = find_layers(model)
     if not layers:
         raise TypeError(f"granii: {type(model).__name__} holds no GNN layer (a module whose "

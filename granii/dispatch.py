@@ -30,6 +30,7 @@ from .enumerate import TooManyTrees, binary_orders, layer_forest
 from .fuse import fused_variants
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .graph import graph_info
+from .memory import plan_memory
 from .plan import COMPUTED, REUSE, compile_plan, fuse_gemm_add, lower, tree_calls
 from .prune import prune
 from .select import EXPECTED_CALLS, rank
@@ -55,6 +56,7 @@ class Options:
     reuse_inputs: bool = True
     tune: bool = True
     decisions: dict = None       # layer name -> decision_key -> plan, from ``save_decisions``
+    memory_limit: int = None     # bytes of predicted peak extra memory a plan may use
 
     def model(self):
         if self.cost_model is None:
@@ -257,6 +259,8 @@ def _decide(state, options, call):
     calls = 1 if call.gi.is_block else options.expected_calls
     ranking = rank(call.compiled.plans, call.gi, call.symbols, model, call.training,
                    call.input_grad, calls, call.input_repeats)
+    if options.memory_limit is not None:
+        ranking = within_memory(ranking, call.symbols, options.memory_limit)
     best = ranking[0]
     fn, code = compile_plan(best.plan, best.impls)
     state.last = (call.symbols, ranking, best, code, call.training, model.name)
@@ -274,6 +278,14 @@ def _decide(state, options, call):
             cands.append((f"[{c.plan.index}]", f, leaf_vals_order(c.plan), c.impls))
     cands.append((ORIGINAL, None, None))
     return Trial(cands)
+
+
+def within_memory(ranking, symbols, limit):
+    """The choices whose predicted peak extra memory (``memory.plan_memory``) is at most
+    ``limit`` bytes, cheapest first; if none is, the one that needs the least."""
+    peak = {id(c): sum(plan_memory(c.plan, symbols)) for c in ranking}
+    ok = [c for c in ranking if peak[id(c)] <= limit]
+    return ok or [min(ranking, key=lambda c: peak[id(c)])]
 
 
 def _tuning(options, call):

@@ -11,6 +11,7 @@ import sys
 
 from . import ir
 from .dispatch import Compiled, layer_states
+from .memory import fmt_bytes, plan_memory
 
 
 def explain(model, file=None):
@@ -71,10 +72,12 @@ def _explain_layer(st, out):
     sizes = " ".join(f"{k}={v}" for k, v in symbols.items())
     p(f"  last input: {sizes}  mode: {'training' if training else 'inference'}  "
       f"cost model: {model_name}")
-    p(f"  {'plan':<6}{'predicted':>13}  composition")
+    p(f"  {'plan':<6}{'predicted':>13}  {'memory (kept + per call)':>26}  composition")
     for c in ranking:
         mark = "  <- chosen" if c is best else ""
-        p(f"  [{c.plan.index}]  {_fmt_ms(c.cost)}  {c.plan.composition()}{mark}")
+        kept, transient = plan_memory(c.plan, symbols)
+        mem = f"{fmt_bytes(kept)} + {fmt_bytes(transient)}"
+        p(f"  [{c.plan.index}]  {_fmt_ms(c.cost)}  {mem:>26}  {c.plan.composition()}{mark}")
     if getattr(st, "tuned", None):
         times, kept = st.tuned
         p("  measured on the first calls (median forward): " + ", ".join(

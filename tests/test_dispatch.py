@@ -121,3 +121,23 @@ def test_saved_decisions_are_run_again_without_deciding(tmp_path, monkeypatch):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="save_decisions"):
         granii(copy.deepcopy(fresh), g, x, decisions=str(path))
+
+
+def test_memory_limit_excludes_plans_above_it():
+    """With a limit below the cheapest plan's predicted peak, a plan within it is chosen (or the
+    smallest, if none is); explain shows each plan's memory."""
+    from granii.memory import plan_memory
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 64)
+    free = GraphConv(64, 64)
+    granii(free, g, x, cost_model=AnalyticalCost(), tune=False)
+    symbols, ranking = layer_states(free)[0].last[:2]
+    peaks = sorted({sum(plan_memory(c.plan, symbols)) for c in ranking})
+    assert len(peaks) > 1, "the candidates should differ in memory"
+    limited = copy.deepcopy(free)
+    granii(limited, g, x, cost_model=AnalyticalCost(), tune=False, memory_limit=peaks[0])
+    best = layer_states(limited)[0].last[2]
+    assert sum(plan_memory(best.plan, symbols)) == peaks[0]
+    with torch.no_grad():
+        torch.testing.assert_close(limited(g, x), free(g, x))
+    assert "memory (kept + per call)" in granii.explain(limited, file=open("/dev/null", "w"))

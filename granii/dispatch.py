@@ -148,7 +148,7 @@ def dispatch(state, options, layer, args, kwargs):
         if isinstance(variant, Exception) and getattr(variant, "spec", None) == []:
             state.fallbacks[shape] = variant     # the same reason holds for every such call
         return original_forward(layer, args, kwargs)
-    mode = (call.training, call.input_grad, call.input_repeats)
+    mode = (call.training, call.input_grad, call.input_repeats, torch.get_num_threads())
     per_graph = state.decisions.get(call.gi)
     if per_graph is None:
         per_graph = state.decisions[call.gi] = {}

@@ -46,6 +46,23 @@ class GCN(nn.Module):
         return h
 
 
+class GCNGraphClassifier(nn.Module):
+    """Graph classification: GraphConv layers, then a sum readout over each graph's nodes and a
+    linear classifier (the readout is a module that takes the graph too)."""
+
+    def __init__(self, in_feats, hidden, classes, zero_ok=False):
+        super().__init__()
+        self.conv1 = GraphConv(in_feats, hidden, activation=F.relu, allow_zero_in_degree=zero_ok)
+        self.conv2 = GraphConv(hidden, hidden, activation=F.relu, allow_zero_in_degree=zero_ok)
+        self.readout = SumPooling()
+        self.classify = nn.Linear(hidden, classes)
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, g, features):
+        h = self.conv2(g, self.dropout(self.conv1(g, features)))
+        return self.classify(self.dropout(self.readout(g, h)))
+
+
 class GCNEdgeNorm(nn.Module):
     """GCN on a weighted graph, the weights normalised by EdgeWeightNorm as DGL documents it."""
 
@@ -572,6 +589,7 @@ def _cases():
         Case("gcn_right_norm", lambda g, k, z: GCN(k, H, C, norm="right", zero_ok=z)),
         Case("gcn_weighted", lambda g, k, z: GCN(k, H, C, zero_ok=z), edge_weight=True),
         Case("gcn_edge_norm", lambda g, k, z: GCNEdgeNorm(k, H, C, zero_ok=z), edge_weight=True),
+        Case("gcn_graph_readout", lambda g, k, z: GCNGraphClassifier(k, H, C, zero_ok=z)),
         Case("gat", lambda g, k, z: GAT(k, H, C, zero_ok=z)),
         Case("gat_weighted", lambda g, k, z: GAT(k, H, C, heads=(3, 1), zero_ok=z),
              edge_weight=True),

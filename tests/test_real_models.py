@@ -198,7 +198,8 @@ def test_two_models_of_one_class_each_use_their_own_dropout():
         train_side_by_side(run, other, other_ref, what=f"GraphSAGE feat_drop={p}:")
 
 
-@pytest.mark.parametrize("name", ["gcn", "gat", "mixhop", "jknet_cat", "dagnn", "gin", "tagcn"])
+@pytest.mark.parametrize("name", ["gcn", "gat", "mixhop", "jknet_cat", "dagnn", "gin", "tagcn",
+                                  "gcn_graph_readout"])
 def test_deepcopy_of_an_optimized_model_uses_its_own_parameters_and_dropout(name):
     case = CASES_BY_NAME[name]
     run, model, ref, g, x, w = build_case(case, "undirected")
@@ -217,7 +218,8 @@ def test_deepcopy_of_an_optimized_model_uses_its_own_parameters_and_dropout(name
     eval_side_by_side(run, model, ref, w, what=f"{name} original:")
 
 
-@pytest.mark.parametrize("name", ["gcn", "gat", "graphsage", "gin", "mixhop", "dagnn", "appnp"])
+@pytest.mark.parametrize("name", ["gcn", "gat", "graphsage", "gin", "mixhop", "dagnn", "appnp",
+                                  "gcn_graph_readout"])
 def test_torch_save_and_load_of_an_optimized_model(name):
     case = CASES_BY_NAME[name]
     run, model, ref, g, x, w = build_case(case, "undirected")

@@ -166,7 +166,9 @@ inline V exp_vec(V x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const IV bits = (__builtin_convertvector(n, IV) + 127) << 23;
-  return p * reinterpret_cast<const V&>(bits);
+  V scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
 // Lanes per vector for rows of FC features per head: one 64-byte vector, or FC if smaller (then
@@ -546,8 +548,10 @@ void backward_src_rows_narrow(const Gat<float, I>& g, const Grads<float, I>& d, 
     const float* fu = g.feat + u * HF;
     V fuT[FC], acc[FC];
     for (int f = 0; f < FC; ++f) {
+      float lanes[HC];
+      for (int h = 0; h < HC; ++h) lanes[h] = fu[h * FC + f];
+      std::memcpy(&fuT[f], lanes, sizeof(V));
       acc[f] = V{};
-      for (int h = 0; h < HC; ++h) fuT[f][h] = fu[h * FC + f];
     }
     const V el = *reinterpret_cast<const V*>(g.el + u * HC);
     V dl = V{};

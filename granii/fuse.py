@@ -83,8 +83,8 @@ def fuse_normalised_spmm(plan):
         if st.prim == "spmm":
             x, d_src, d_dst, last = st.args[0], None, None, st
             prod = by_var.get(x)
-            if only_user(x) is st and x not in replaced and \
-                    degree_scale(prod, prod.args[1] if prod else None, st.when):
+            if only_user(x) is st and x not in replaced and prod is not None and \
+                    degree_scale(prod, prod.args[-1], st.when):
                 d_src, x = prod.args
                 gone.add(prod.var)
             user = only_user(st.var)

@@ -421,9 +421,9 @@ def call_function(it, func, args, kwargs, node):
         if dim not in (-1, 1) or not all(isinstance(p, Tensor) and p.ndim == 2 for p in parts):
             fail(node, "torch.cat", "only concatenating N x k features along columns is lowered")
         return Tensor(ir.Cat(tuple(p.node for p in parts)), 2)
-    symbolic = [a for a in list(args) + list(kwargs.values())
-                if isinstance(a, (Tensor, Degrees, Edges, Graph, Shape, GraphCondition, Scalar,
-                                  HeadProduct))]
+    symbolic = [a for a in list(args) + list(kwargs.values()) if _holds_symbolic(a)]
+    if func in _CONTAINER_BUILTINS:
+        return func(*args, **kwargs)          # len(hs), zip(hs, ws): containers of values
     if not symbolic:
         return func(*args, **kwargs)
     name = getattr(func, "__name__", type(func).__name__)
@@ -473,6 +473,21 @@ def call_function(it, func, args, kwargs, node):
     if isinstance(args[0], GraphCondition):
         return GraphCondition(name)
     fail(node, f"call of {modname}.{name}", "with symbolic arguments; not lowered")
+
+
+_CONTAINER_BUILTINS = (len, list, tuple, zip, enumerate, reversed, range, dict)
+_SYMBOLIC_TYPES = (Tensor, Degrees, Edges, Graph, Shape, GraphCondition, Scalar, HeadProduct)
+
+
+def _holds_symbolic(a):
+    """``a`` is symbolic, or a list, tuple or dict holding a symbolic value (``torch.stack([h, ...])``)."""
+    if isinstance(a, _SYMBOLIC_TYPES):
+        return True
+    if isinstance(a, (list, tuple)) and not isinstance(a, Frame):
+        return any(_holds_symbolic(x) for x in a)
+    if isinstance(a, dict):
+        return any(_holds_symbolic(x) for x in a.values())
+    return False
 
 
 def expand_as_pair(it, feat, graph, node):

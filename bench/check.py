@@ -39,7 +39,7 @@ def compare(ref, opt, run, training, seed=0):
         want = run(ref)
         torch.manual_seed(seed)
         got = run(opt)
-    e = rel_err(got, want)
+    e = e_out = rel_err(got, want)
     if e > worst or e != e:
         worst, where = e, "output"
     if training:
@@ -54,6 +54,8 @@ def compare(ref, opt, run, training, seed=0):
                 worst, where = e, f"gradient of {name}"
         for m in (ref, opt):
             m.zero_grad(set_to_none=True)
+        if where != "output":
+            where += f" (output {e_out:.1e})"
     return worst, where
 
 

@@ -14,7 +14,7 @@ def describe(model):
             continue
         plans.append(f"{st.name}: {_kept(st)}")
     return dict(optimized=len(states) - len(fallbacks), layers=len(states),
-                fallbacks="; ".join(fallbacks), plans="; ".join(plans))
+                fallbacks=" | ".join(fallbacks), plans=" | ".join(plans))
 
 
 def _kept(st):

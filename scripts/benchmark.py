@@ -49,8 +49,10 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from bench import examples, fullbatch, inputs, minibatch, single, summary  # noqa: E402
-from bench.restrict import WithoutNative  # noqa: E402
+with warnings.catch_warnings(record=True) as IMPORT_WARNINGS:     # what granii said at import
+    warnings.simplefilter("always")
+    from bench import examples, fullbatch, inputs, minibatch, single, summary  # noqa: E402
+    from bench.restrict import WithoutNative  # noqa: E402
 
 PARTS = ("models", "minibatch", "layers")
 LEGACY = ("sweep", "overhead", "memory", "e2e")
@@ -77,10 +79,13 @@ def native_primitives():
 def native_status():
     from granii.kernels import native
     have = native_primitives()
+    said = [" ".join(str(w.message).split()) for w in IMPORT_WARNINGS
+            if "native" in str(w.message).lower()]
+    note = f" (at import: {'; '.join(said)})" if said else ""
     if not have:
-        return "not available (restricted selection is then the same as granii's)"
+        return "not available (restricted selection is then the same as granii's)" + note
     return ("available for " + ", ".join(have)
-            + ("" if native.AVAILABLE else "; SpMM extension not loaded"))
+            + ("" if native.AVAILABLE else "; SpMM extension not loaded") + note)
 
 
 def machine_info(cost_model, command):

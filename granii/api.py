@@ -39,7 +39,7 @@ def find_layers(model):
 
 def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, inspect_now=True,
            per_batch=False, reuse_inputs=True, tune=True, deterministic=False, decisions=None,
-           memory_limit=None):
+           memory_limit=None, extra_args=(), extra_kwargs=None):
     """Optimize every GNN layer of ``model`` in place and return ``model``.
 
     ``cost_model``: an object with ``predict(prim, impl, gi, dims)``; by default the learned models
@@ -48,6 +48,9 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     on blocks it is 1). With ``inspect_now`` the model runs once on ``(graph, feats)`` (or on
     ``feats`` alone when its forward takes only the features and holds the graph) without
     gradients, so each layer decides for this input now; the model is left as it was found.
+
+    ``extra_args``, ``extra_kwargs``: more arguments of the model's forward for that run
+    (``model(graph, feats, *extra_args, **extra_kwargs)``), e.g. edge weights.
 
     ``reuse_inputs``: work on features that need no gradient (a first layer's ``A X``) is
     computed once and reused while the same tensor comes back unchanged. "Unchanged" is what
@@ -99,7 +102,7 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
         wrapped.append(layer)
     if inspect_now:
         try:
-            _inspect(model, graph, feats)
+            _inspect(model, graph, feats, extra_args, extra_kwargs or {})
         except Exception as e:
             for layer in wrapped:
                 del layer.__dict__["forward"]
@@ -108,15 +111,15 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     return model
 
 
-def _inspect(model, graph, feats):
+def _inspect(model, graph, feats, extra_args=(), extra_kwargs=None):
     """Run ``model`` once on the input without gradients, leaving it exactly as it was."""
     saved = _snapshot(model)
     try:
         with torch.no_grad():
-            if _takes_features_only(model):
-                model(feats)
+            if _takes_features_only(model) and not extra_args:
+                model(feats, **(extra_kwargs or {}))
             else:
-                model(graph, feats)
+                model(graph, feats, *extra_args, **(extra_kwargs or {}))
     finally:
         _restore_snapshot(saved)
 

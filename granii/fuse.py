@@ -124,7 +124,7 @@ def _epilogue(plan, steps):
         add = users[0]
         other = add.args[1] if add.args[0] == st.var else add.args[0]
         leaf = plan.leaves.get(other)
-        if leaf is None or leaf.rows != "1" or leaf.source[0] != "param":
+        if leaf is None or leaf.rows != "1" or leaf.cols == "1" or leaf.source[0] != "param":
             continue
         new = replace(st, var=add.var, args=st.args + (other,), key=add.key)
         act_users = uses.get(add.var, ())

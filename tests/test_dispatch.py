@@ -141,3 +141,33 @@ def test_memory_limit_excludes_plans_above_it():
     with torch.no_grad():
         torch.testing.assert_close(limited(g, x), free(g, x))
     assert "memory (kept + per call)" in granii.explain(limited, file=open("/dev/null", "w"))
+
+
+def test_one_output_layer_with_bias_is_optimized():
+    """A one-element bias (a layer with one output) is added as a 1 x 1 operand: every plan
+    equals DGL's layer, output and gradients."""
+    from plan_check import check_all_plans
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8, requires_grad=True)
+    layer = GraphConv(8, 1)
+    with torch.no_grad():
+        layer.bias.fill_(0.5)
+    assert check_all_plans(layer, (g, x), {}, [x, layer.weight, layer.bias]) > 0
+
+
+def test_extra_forward_arguments_reach_the_inspection_run():
+    class Weighted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = GraphConv(6, 3, norm="none")
+
+        def forward(self, g, x, w):
+            return self.conv(g, x, edge_weight=w)
+
+    g = _graph()
+    x, w = torch.randn(g.num_nodes(), 6), torch.rand(g.num_edges())
+    model = Weighted()
+    want = model(g, x, w)
+    granii(model, g, x, cost_model=AnalyticalCost(), extra_args=(w,))
+    assert layer_states(model)[0].last is not None          # decided during granii()
+    torch.testing.assert_close(model(g, x, w), want)

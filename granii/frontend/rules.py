@@ -317,8 +317,14 @@ def scalar_arith(it, op, a, b, node):
         return dataclasses.replace(b, offset=b.offset + a * 1.0)
     if op == "Add" and isinstance(b, num):
         return dataclasses.replace(a, offset=a.offset + b * 1.0)
-    if op == "Mult" and isinstance(a, Scalar) and isinstance(b, Tensor):
+    if isinstance(a, Scalar) and isinstance(b, Tensor):
         a, b = b, a
+    if op == "Add" and isinstance(a, Tensor) and isinstance(b, Scalar) \
+            and (b.offset, b.factor) == (0.0, 1.0):
+        # X + s with a one-element parameter (the bias of a layer with one output): a 1 x 1
+        # operand broadcast over X, as torch adds it
+        s = it.leaf(b.attr, "1", "1", ir.DENSE, ir.WEIGHT, ("param", b.attr))
+        return Tensor(ir.Add(a.node, s), a.ndim)
     if op == "Mult" and isinstance(a, Tensor) and isinstance(b, Scalar):
         if a.ndim != 2:
             fail(node, "scalar times a tensor of more than 2 dimensions", "not lowered yet")

@@ -351,10 +351,14 @@ class LearnedCost:
         trees = self.trees if phase == "forward" else self.train_trees
         if (prim, impl) not in trees:
             if phase == "train" and (prim, impl) in self.trees:
-                if warn:
+                if warn and self.train_trees:
                     _warn_once(f"granii: no training-phase cost model for {prim}/{impl} in "
                                f"{self.name}; its backward is estimated from the forward",
                                stacklevel=4)
+                elif warn:
+                    _warn_once(f"granii: the models in {self.name} have no training-phase "
+                               "models (made before backward passes were profiled); backward "
+                               "passes are estimated from the forward", stacklevel=4)
                 return None
             fb = self.fallback
             if warn:

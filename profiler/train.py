@@ -85,7 +85,7 @@ def phase_of(r):
     return r.get("phase", "forward")
 
 
-def usable(records, prim, impl, phase="forward"):
+def usable(records, prim, impl, phase="forward", clean_only=True):
     """The points of one (primitive, implementation) to train on, and how many of them were
     measured while the machine was contended or whose rounds disagree (``harness.unsettled``):
     those are left out unless fewer than 8 points remain (a time taken while another process
@@ -94,7 +94,7 @@ def usable(records, prim, impl, phase="forward"):
                    and phase_of(r) == phase),
                   key=lambda r: r["key"])
     clean = [r for r in rows if not unsettled(r)]
-    if len(clean) >= 8:
+    if len(clean) >= 8 and clean_only:
         return clean, 0
     return rows, len(rows) - len(clean)
 
@@ -108,10 +108,10 @@ def target_seconds(r):
     return max(min(samples), 1e-9) if samples else r["median"]
 
 
-def dataset(records, views, prim, impl, phase="forward"):
+def dataset(records, views, prim, impl, phase="forward", clean_only=True):
     """``(X, y, margin, groups)`` of one (primitive, implementation, phase): features, log
     seconds, log baseline seconds, and the group (graph) of each point (see ``usable``)."""
-    rows, _ = usable(records, prim, impl, phase)
+    rows, _ = usable(records, prim, impl, phase, clean_only)
     X, y, margin, groups = [], [], [], []
     for r in rows:
         gi = None if r["graph"] == DENSE else views[r["graph"]]
@@ -166,7 +166,8 @@ def train_one(X, y, margin, groups, params=None):
     return booster, scores(predict_log(booster, X, margin), y), val
 
 
-def train(run_dir, out_dir, fingerprint, params=None, run_info=None, log=print, calibration=None):
+def train(run_dir, out_dir, fingerprint, params=None, run_info=None, log=print, calibration=None,
+          clean_only=True):
     """Train every (primitive, implementation, phase) with measured points in ``run_dir`` and
     write the models and ``manifest.json`` to ``out_dir`` (replaced as a whole at the end), with
     the machine's ``calibration`` (``granii.calibration.this_machine``) when given. Returns the
@@ -185,7 +186,7 @@ def train(run_dir, out_dir, fingerprint, params=None, run_info=None, log=print, 
     params = dict(params or PARAMS)
     models = {}
     for prim, impl, phase in pairs:
-        X, y, margin, groups = dataset(records, views, prim, impl, phase)
+        X, y, margin, groups = dataset(records, views, prim, impl, phase, clean_only)
         booster, tr, val = train_one(X, y, margin, groups, params)
         fname = model_file(prim, impl, phase)
         booster.save_model(str(tmp / fname))
@@ -194,7 +195,8 @@ def train(run_dir, out_dir, fingerprint, params=None, run_info=None, log=print, 
             "file": fname, "features": model_feature_names(prim),
             "sizes": list(MODEL_SIZES[prim][1]), "baseline": BASELINE,
             "points": int(len(y)), "graphs": int(len(set(groups))),
-            "phase": phase, "contended_points": usable(records, prim, impl, phase)[1],
+            "phase": phase,
+            "contended_points": usable(records, prim, impl, phase, clean_only)[1],
             "train": tr, "validation": val,
         }
         v = f"MAPE {val['mape']:.1%}, Spearman {val['spearman']:.3f}" if val and \
@@ -213,6 +215,7 @@ def train(run_dir, out_dir, fingerprint, params=None, run_info=None, log=print, 
         "baseline": BASELINE,
         "params": params,
         "holdout": {"by": "graph (dense: m or n)", "fraction": HOLDOUT, "seed": 0},
+        "contended_points": "trained on" if not clean_only else "left out where 8 clean remain",
         "training_points": int(sum(m["points"] for m in models.values())),
         "run": run_info or {},
         "calibration": calibration,

@@ -46,6 +46,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="torch threads to profile with")
     ap.add_argument("--retry-contended", action="store_true",
                     help="measure again the points recorded while other processes held the cores")
+    ap.add_argument("--keep-contended", action="store_true",
+                    help="train on the points measured while the machine was contended too (their "
+                         "fastest round), not only on the clean ones")
     ap.add_argument("--train-only", action="store_true",
                     help="skip profiling: train from the records already there")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -101,6 +104,7 @@ def main(argv=None):
     from profiler.train import PARAMS
     manifest = train(run_dir, out, fp, run_info=run_info,
                      params=dict(PARAMS, n_estimators=config.trees),
+                     clean_only=not args.keep_contended,
                      calibration={k: cal[k] for k in ("times", "seconds", "measured_at")})
     load(out, fp)
     size = sum(p.stat().st_size for p in out.iterdir())

@@ -452,12 +452,15 @@ def selection_main(args):
     if args.measure:
         probe = Probe()
         log(f"granii: timing the candidates of {', '.join(LAYERS)} at {threads} threads")
-        measure_layers(args.graphs or LAYER_GRAPHS, LAYERS, LAYER_SIZES, args.modes, probe,
+        sizes = [tuple(int(x) for x in s.split(",")) for s in args.sizes] if args.sizes \
+            else LAYER_SIZES
+        measure_layers(args.graphs or LAYER_GRAPHS, args.layers, sizes, args.modes, probe,
                        args.wait, log, path, threads)
     if not args.report:
         return 0
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r["threads"] == threads]
+    rows = list({(r["layer"], r["graph"], r["k_in"], r["k_out"], r["mode"]): r
+                 for r in rows if r["threads"] == threads}.values())
     foreign = [p for p in args.transfer_from]
     models, notes = selection_models(threads, args.models, foreign)
     contended = sum(r["contended"] for r in rows)
@@ -488,6 +491,9 @@ def main(argv=None):
         ap.add_argument("--threads", type=int, default=2)
         ap.add_argument("--graphs", nargs="+", choices=GRAPHS)
         ap.add_argument("--modes", nargs="+", default=["infer", "train"])
+        ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
+        ap.add_argument("--sizes", nargs="+", help="k_in,k_out pairs (default: "
+                        + " ".join(f"{a},{b}" for a, b in LAYER_SIZES) + ")")
         ap.add_argument("--models", type=Path, help="this machine's model folder")
         ap.add_argument("--transfer-from", nargs="*", type=Path, default=[],
                         help="model folders of other machines to use with the calibration")

@@ -78,13 +78,20 @@ def correctness(spec, model0, inp, cost_models, training):
         ref = set_graph(copy.deepcopy(model0), inp.g)
         opt = set_graph(copy.deepcopy(model0), inp.g)
         optimize(opt, inp.g, inp.x, cost_model=cm)
-        if training:
-            err, where = check.compare(ref, opt, lambda m: spec.run(m, inp.g, inp.x), True)
-        else:
-            xn = feats.next()
-            err, where = check.compare(ref, opt, lambda m: spec.run(m, inp.g, xn), False)
+        xn = inp.x if training else feats.next()
+        err, where = check.compare(ref, opt, lambda m: spec.run(m, inp.g, xn), training)
+        if not check.passed(err):        # the same comparison in float64, for the reader
+            where += f"; in float64 {_float64_error(spec, model0, inp, cm, training, xn):.1e}"
         out[name] = (check.passed(err), err, where, describe(opt), uses_excluded(opt))
     return out
+
+
+def _float64_error(spec, model0, inp, cm, training, x):
+    ref = set_graph(copy.deepcopy(model0).double(), inp.g)
+    opt = set_graph(copy.deepcopy(model0).double(), inp.g)
+    optimize(opt, inp.g, inp.x.double(), cost_model=cm)
+    x64 = x.double()
+    return check.compare(ref, opt, lambda m: spec.run(m, inp.g, x64), training)[0]
 
 
 def measure(spec, inp, task, cost_models, budget=3.0, max_rounds=None, warmup=0, seed=0):

@@ -105,6 +105,12 @@ def correctness(spec, model0, inp, fanouts, seeds, cost_models):
         ref, opt = copy.deepcopy(model0), copy.deepcopy(model0)
         optimize(opt, blocks, x, cost_model=cm)
         err, where = check.compare(ref, opt, lambda m: spec.run(m, blocks, x), True)
+        if not check.passed(err):        # the same comparison in float64, for the reader
+            ref64, opt64 = copy.deepcopy(model0).double(), copy.deepcopy(model0).double()
+            x64 = x.double()
+            optimize(opt64, blocks, x64, cost_model=cm)
+            e64, _ = check.compare(ref64, opt64, lambda m: spec.run(m, blocks, x64), True)
+            where += f"; in float64 {e64:.1e}"
         out[name] = (check.passed(err), err, where, describe(opt), uses_excluded(opt))
     return out
 

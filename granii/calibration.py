@@ -22,9 +22,10 @@ measured in units of the machine's own reference time, so the learned shape (how
 with the graph and the sizes, which implementation wins where) carries over and only the scale
 changes. Small calls scale like the small reference, large ones like their class.
 
-The reference times of a model folder are its manifest's ``calibration`` (measured at init), or
-for folders made before calibrations existed, the folder's own models' predictions of the four
-reference calls. This machine's are measured once per fingerprint and cached in
+The reference times of a model folder are its own models' predictions of the four reference calls
+(consistent with what the models learned, whatever the load while they were profiled); the
+calibration measured at init (the manifest's ``calibration``) stands in for a reference call
+without a model. This machine's are measured once per fingerprint and cached in
 ``$GRANII_CACHE`` (default ``~/.cache/granii``) as ``calibration-<fingerprint id>.json``.
 """
 import json

@@ -482,11 +482,14 @@ def foreign_models(root, fp):
 
 
 def model_calibration(model):
-    """Reference times of the machine ``model`` was trained on: measured at its init (manifest
-    ``calibration``), else what its own models predict for the reference calls."""
+    """Reference times of the machine ``model`` was trained on, as its own models predict them
+    for the reference calls; the times measured at its init (manifest ``calibration``) only for
+    a reference without a model. The models' predictions are consistent with what the models
+    learned (the fastest rounds of the profiled points), whereas a calibration measured while
+    other processes held the cores is not."""
     from . import calibration
-    cal = model.manifest.get("calibration") or {}
-    return dict(cal.get("times") or calibration.predicted(model))
+    measured = (model.manifest.get("calibration") or {}).get("times") or {}
+    return {**measured, **calibration.predicted(model)}
 
 
 def transferred(models, here):

@@ -279,11 +279,13 @@ def test_default_cost_model_refuses_a_damaged_folder_with_a_warning(copy_dir, fa
         assert isinstance(learned.default_cost_model(copy_dir.parent), AnalyticalCost)
 
 
-def test_foreign_models_are_used_with_this_machines_calibration(copy_dir, fake_calibration):
+def test_foreign_models_are_used_with_this_machines_calibration(copy_dir, fake_calibration,
+                                                                monkeypatch):
     """On a machine without its own models, the shipped ones of another machine price calls,
     rescaled by the ratio of the two calibrations; said once."""
     here, calls = fake_calibration
     theirs = {k: v / 2 for k, v in here.items()}          # this machine: twice as slow
+    monkeypatch.setattr(learned, "model_calibration", lambda m: dict(theirs))
     folder = _as_foreign(copy_dir, theirs)
     with pytest.warns(learned.CostModelWarning, match="rescaled by a calibration"):
         model = learned.default_cost_model(folder.parent)
@@ -311,6 +313,12 @@ def test_foreign_models_without_a_calibration_derive_it_from_their_predictions(
     theirs = learned.model_calibration(load(folder, check=False))
     assert set(theirs) == {"gemm", "sparse", "small"}      # row_scale/torch has no model here
     assert theirs == calibration.predicted(load(folder, check=False))
+    # a measured calibration fills in only what the models cannot predict
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["calibration"] = {"times": {"stream": 0.5, "gemm": 123.0}}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    both = learned.model_calibration(load(folder, check=False))
+    assert both["stream"] == 0.5 and both["gemm"] == theirs["gemm"]
     here, _ = fake_calibration
     assert model.transfer.ratio("gemm") == pytest.approx(here["gemm"] / theirs["gemm"])
 

@@ -425,10 +425,9 @@ def selection_models(threads, here_dir, foreign_dirs):
         label = f"from_{fid}"
         learned.transferred([m], lazy)
         models[label] = m
-        src = "measured at its init" if m.manifest.get("calibration") else \
-            "derived from its own models' predictions of the reference calls"
+        src = "its own models' predictions of the reference calls"
         notes.append(f"{label}: models of {theirs.get('cpu_model')} at {theirs.get('threads')} "
-                     f"threads, rescaled by this machine's calibration (theirs {src}); ratios "
+                     f"threads, rescaled by this machine's calibration (theirs: {src}); ratios "
                      + ", ".join(f"{k} {v:.2f}" for k, v in m.transfer.summary().items() if v))
     models["analytical_cal"] = AnalyticalCost(name="analytical (calibrated)",
                                               **calibration.analytical_rates(here_cal["times"]))

@@ -21,6 +21,15 @@ when the input changes or needs a gradient, and ranking is done with the same as
 Writes ``results/costmodels/report.md``, ``primitives.csv``, ``regret.csv`` and the plots
 ``pred_vs_measured.png``, ``regret.png``. Usage: ``OMP_NUM_THREADS=2 python -m
 scripts.validate_costmodels [--quick] [--models costmodels/<id>]``.
+
+Part 3 (``selection``), plan choice of GraphConv, GIN, SAGE and GAT (4 heads) as hidden layers,
+inference and training: ``--measure`` times every candidate of each configuration side by side
+(wall clock and process CPU time; GAT's unfused plans only where edge scores and softmax use one
+library) into ``selection_times.jsonl``; ``--report`` ranks the candidates with each cost model
+(this machine's, other machines' rescaled by the calibration, the roofline with calibrated and
+with hand-set rates) and writes the regret tables ``selection_<threads>t.md``. Usage:
+``python -m scripts.validate_costmodels selection --measure --report --threads 1
+--transfer-from costmodels/<id> ...``.
 """
 import argparse
 import csv

@@ -19,13 +19,15 @@ of the two granii compositions in each cell (the plan granii runs today uses one
 target is fused at least 1.5x faster than today in forward and in forward + backward.
 
 The primitives ``sddmm_add`` and ``edge_softmax`` are timed the same way with each implementation
-(native, dgl, torch), since the native ones are registered beside the others.
+(native, dgl, torch), since the native ones are registered beside the others. On sampled blocks
+(pubmed, ppi-like; batch 1024, fanout 10) the cost of building the fused kernel's per-block index
+structures is set against its forward and backward on the block.
 
 Implementations run interleaved within each round (background load hits them alike); the median
 and the minimum over the rounds are reported (wall clock of this process).
 
 Usage: ``OMP_NUM_THREADS=2 python -m scripts.bench_gat [--quick] [--budget S]``; writes
-``results/kernels/gat.csv``, ``gat_primitives.csv``, ``gat.md`` and ``gat.png``.
+``results/kernels/gat.csv``, ``gat_primitives.csv``, ``gat_blocks.csv``, ``gat.md`` and ``gat.png``.
 """
 import argparse
 import csv
@@ -64,6 +66,7 @@ CASES = {
     "pubmed": (lambda: load_graph("pubmed", self_loops="add"), 8, 8),
     "ppi-like": (lambda: dgl.add_self_loop(gen.community(56_944, 24, 14.4, mix=0.95, seed=0)), 4, 256),
 }
+BLOCK_CASES = ["pubmed", "ppi-like"]
 IMPLS = ["fused", "granii_dgl", "granii_torch", "unfused_native", "dgl_gatconv"]
 TODAY = ["granii_dgl", "granii_torch"]
 
@@ -203,6 +206,56 @@ def bench_primitives(name, gi, el, er, threads, budget, big, prim_rows):
             })
 
 
+# -- sampled blocks --------------------------------------------------------------------------------
+def bench_blocks(g, name, heads, width, threads, rounds, rows, batch=1024, fanout=10):
+    """Per minibatch block of DGL's neighbour sampler: building the index structures the fused
+    kernel needs (CSR of A, and for the backward A^T and the A^T -> A positions) against the
+    fused forward and backward on that block, and today's cheaper composition beside it."""
+    from granii.graph import GraphInfo
+    torch.set_num_threads(threads)
+    sampler = dgl.dataloading.NeighborSampler([fanout])
+    gen_ = torch.Generator().manual_seed(0)
+    today = implementations()
+    acc = {k: [] for k in ("build_a", "build_at", "fused_fwd", "fused_bwd", "today_fwd_bwd")}
+    for r in range(rounds + 1):
+        seeds = torch.randperm(g.num_nodes(), generator=gen_)[:batch]
+        dgl.seed(r)
+        blk = sampler.sample_blocks(g, seeds)[2][0]
+        n_src, n_dst = blk.num_src_nodes(), blk.num_dst_nodes()
+        el = torch.randn(n_src, heads, 1, requires_grad=True)
+        er = torch.randn(n_dst, heads, 1, requires_grad=True)
+        feat = torch.randn(n_src, heads, width, requires_grad=True)
+        gy = torch.randn(n_dst, heads, width)
+        gi = GraphInfo(blk)
+        t = {"build_a": _wall(lambda: native_gat._csr(gi, "a"))}
+        y = None
+
+        def fwd():
+            nonlocal y
+            y = native_gat.gat_fused_native(gi, el, er, feat, SLOPE)
+        t["fused_fwd"] = _wall(fwd)
+        t["build_at"] = _wall(lambda: (native_gat._csr(gi, "at"), native_gat._t2in(gi)))
+        t["fused_bwd"] = _wall(lambda: y.backward(gy))
+        gi2 = GraphInfo(blk)
+        best = None
+        for k in TODAY:
+            cost = _wall(lambda: today[k](gi2, el, er, feat).backward(gy))
+            best = cost if best is None else min(best, cost)
+        t["today_fwd_bwd"] = best
+        if r:                                          # the first round warms up
+            for k, v in t.items():
+                acc[k].append(v)
+    med = {k: statistics.median(v) for k, v in acc.items()}
+    rows.append({"graph": name, "batch": batch, "fanout": fanout, "heads": heads, "features": width,
+                 "threads": threads, "edges": blk.num_edges(), "rounds": rounds,
+                 **{f"{k}_ms": round(v * 1e3, 4) for k, v in med.items()},
+                 "build_over_fused": round((med["build_a"] + med["build_at"])
+                                           / (med["fused_fwd"] + med["fused_bwd"]), 3)})
+    progress(f"  blocks of {name} (batch {batch}, fanout {fanout}), {threads} threads: build "
+             f"{(med['build_a'] + med['build_at']) * 1e3:.2f} ms vs fused fwd+bwd "
+             f"{(med['fused_fwd'] + med['fused_bwd']) * 1e3:.2f} ms (today {med['today_fwd_bwd'] * 1e3:.2f} ms)")
+
+
 # -- output ------------------------------------------------------------------------------------------
 def write_csv(rows, path):
     if not rows:
@@ -220,7 +273,7 @@ def _cell(rows, graph, threads, mode, impl):
     return None
 
 
-def write_markdown(rows, prim_rows, path, meta):
+def write_markdown(rows, prim_rows, path, meta, block_rows=()):
     graphs = list(dict.fromkeys(r["graph"] for r in rows))
     impls = [k for k in IMPLS if any(r["impl"] == k for r in rows)]
     lines = ["# GAT attention + aggregation: fused native kernel vs today's plan and DGL", "",
@@ -271,6 +324,21 @@ def write_markdown(rows, prim_rows, path, meta):
                     lines.append(f"| {g} | {threads} | {mode} | " + " | ".join(
                         f"{cell[k]['median_ms']:.3f} ({cell[k]['dgl_over_this']:.2f}x)" if k in cell else "-"
                         for k in keys) + " |")
+    if block_rows:
+        lines += ["", "## Sampled blocks", "",
+                  "Blocks of DGL's neighbour sampler (one layer; a fresh block each round, each "
+                  "structure built on it once): median ms of building the CSR of A (forward) and "
+                  "of A^T with the A^T -> A positions (backward), against the fused kernel's forward "
+                  "and backward on the same block and today's faster composition (forward + backward, "
+                  "its own per-block structures included).", "",
+                  "| graph | batch | fanout | H x F | threads | block edges | build A | build A^T | "
+                  "fused fwd | fused bwd | today fwd+bwd | build / fused |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in block_rows:
+            lines.append(f"| {r['graph']} | {r['batch']} | {r['fanout']} | {r['heads']} x {r['features']} | "
+                         f"{r['threads']} | {r['edges']:,} | {r['build_a_ms']:.3f} | {r['build_at_ms']:.3f} | "
+                         f"{r['fused_fwd_ms']:.3f} | {r['fused_bwd_ms']:.3f} | {r['today_fwd_bwd_ms']:.3f} | "
+                         f"{r['build_over_fused']:.2f} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -307,6 +375,7 @@ def plot(rows, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="cora and ppi-like only, budget 1 s")
+    ap.add_argument("--only", default="", help="comma-separated graphs (default: all)")
     ap.add_argument("--budget", type=float, default=3.0, help="seconds per cell (at least 3 rounds)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--out", default=str(OUT))
@@ -314,13 +383,15 @@ def main(argv=None):
     if not native_gat.available():
         progress("granii: native kernels not built: only the unfused implementations are timed")
     names = ["cora", "ppi-like"] if args.quick else list(CASES)
+    if args.only:
+        names = args.only.split(",")
     budget = 1.0 if args.quick else args.budget
     threads_list = [int(t) for t in args.threads.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     before = torch.get_num_threads()
     start = time.perf_counter()
-    rows, prim_rows = [], []
+    rows, prim_rows, block_rows = [], [], []
     try:
         for i, name in enumerate(names):
             build, heads, width = CASES[name]
@@ -328,13 +399,17 @@ def main(argv=None):
             progress(f"[{i + 1}/{len(names)}] {name}: {g.num_nodes():,} nodes, {g.num_edges():,} edges, "
                      f"{heads} heads x {width}")
             bench_case(name, g, heads, width, threads_list, budget, rows, prim_rows)
+            if name in BLOCK_CASES and native_gat.available():
+                for threads in threads_list:
+                    bench_blocks(g, name, heads, width, threads, 3 if args.quick else 10, block_rows)
     finally:
         torch.set_num_threads(before)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "minutes": (time.perf_counter() - start) / 60, "quick": args.quick}
     write_csv(rows, out / "gat.csv")
     write_csv(prim_rows, out / "gat_primitives.csv")
-    write_markdown(rows, prim_rows, out / "gat.md", meta)
+    write_csv(block_rows, out / "gat_blocks.csv")
+    write_markdown(rows, prim_rows, out / "gat.md", meta, block_rows)
     plot(rows, out / "gat.png")
     progress(f"wrote {out / 'gat.csv'}, {out / 'gat_primitives.csv'}, {out / 'gat.md'}, {out / 'gat.png'}")
 

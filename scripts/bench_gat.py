@@ -26,8 +26,16 @@ structures is set against its forward and backward on the block.
 Implementations run interleaved within each round (background load hits them alike); the median
 and the minimum over the rounds are reported (wall clock of this process).
 
-Usage: ``OMP_NUM_THREADS=2 python -m scripts.bench_gat [--quick] [--budget S]``; writes
-``results/kernels/gat.csv``, ``gat_primitives.csv``, ``gat_blocks.csv``, ``gat.md`` and ``gat.png``.
+Two OpenMP runtimes share the process: torch's own libgomp copy and the system one DGL links.
+After a parallel region each one's workers spin for a while; on a 2-core machine those spinning
+threads take the core the other runtime's next region needs, and 2-thread calls that follow a call
+of the other library wait for it. ``OMP_WAIT_POLICY=PASSIVE`` (workers sleep at once) removes that;
+the committed results hold a run with the default (``gat.*``) and one with PASSIVE
+(``gat_passive.*``, ``--tag _passive``).
+
+Usage: ``OMP_NUM_THREADS=2 python -m scripts.bench_gat [--quick] [--budget S] [--tag T]``; writes
+``results/kernels/gat<T>.csv``, ``gat<T>_primitives.csv``, ``gat<T>_blocks.csv``, ``gat<T>.md``
+and ``gat<T>.png``.
 """
 import argparse
 import csv
@@ -278,8 +286,8 @@ def write_markdown(rows, prim_rows, path, meta, block_rows=()):
     impls = [k for k in IMPLS if any(r["impl"] == k for r in rows)]
     lines = ["# GAT attention + aggregation: fused native kernel vs today's plan and DGL", "",
              f"Machine: {meta['machine']}; torch {torch.__version__}, DGL {dgl.__version__}; "
-             f"run of {meta['minutes']:.1f} min. Written by `python -m scripts.bench_gat"
-             f"{' --quick' if meta['quick'] else ''}`.", "",
+             f"OMP_WAIT_POLICY {meta['wait_policy']}; run of {meta['minutes']:.1f} min. Written by "
+             f"`python -m scripts.bench_gat {meta['argv']}`.", "",
              "Median wall time per call in ms (min over the rounds in brackets). *today* is the "
              "faster of the two granii compositions (`granii_dgl`, `granii_torch`: sddmm_add + "
              "leaky_relu + edge_softmax + spmm_weighted torch_csr); **fused/today** is today's "
@@ -379,6 +387,7 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=3.0, help="seconds per cell (at least 3 rounds)")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--tag", default="", help="suffix of the output files (gat<tag>.csv, ...)")
     args = ap.parse_args(argv)
     if not native_gat.available():
         progress("granii: native kernels not built: only the unfused implementations are timed")
@@ -405,13 +414,15 @@ def main(argv=None):
     finally:
         torch.set_num_threads(before)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-            "minutes": (time.perf_counter() - start) / 60, "quick": args.quick}
-    write_csv(rows, out / "gat.csv")
-    write_csv(prim_rows, out / "gat_primitives.csv")
-    write_csv(block_rows, out / "gat_blocks.csv")
-    write_markdown(rows, prim_rows, out / "gat.md", meta, block_rows)
-    plot(rows, out / "gat.png")
-    progress(f"wrote {out / 'gat.csv'}, {out / 'gat_primitives.csv'}, {out / 'gat.md'}, {out / 'gat.png'}")
+            "minutes": (time.perf_counter() - start) / 60, "quick": args.quick,
+            "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "argv": " ".join(sys.argv[1:])}
+    t = args.tag
+    write_csv(rows, out / f"gat{t}.csv")
+    write_csv(prim_rows, out / f"gat{t}_primitives.csv")
+    write_csv(block_rows, out / f"gat{t}_blocks.csv")
+    write_markdown(rows, prim_rows, out / f"gat{t}.md", meta, block_rows)
+    plot(rows, out / f"gat{t}.png")
+    progress(f"wrote {out}/gat{t}.csv, gat{t}_primitives.csv, gat{t}_blocks.csv, gat{t}.md, gat{t}.png")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,10 @@ scores stay in a per-row scratch buffer, never in an edge x head tensor. The bac
 row's max and ``1 / sum`` (``num_dst x H``) and the output, recomputes ``a_e``, and walks the
 transpose ``A^T`` (kept once per graph) so that the source-side gradients (``feat``, ``el``) are
 summed per source row without races; ``D_v = <dout[v], out[v]>`` gives the softmax's row term
-without another pass over the edges.
+without another pass over the edges. Because the output is saved for the backward, modifying it
+in place before the backward makes autograd raise (as for ``torch.softmax``); DGL's
+``u_mul_e_sum`` saves its inputs instead. Edge weights are read through the CSR's edge ids (one
+scattered read per edge).
 
 Attention dropout (GATConv's ``attn_drop`` with ``p > 0`` in training) draws a mask on ``a``
 between the softmax and the aggregation; the fused kernel cannot reproduce that draw, so
@@ -98,8 +101,8 @@ class _GatFused(torch.autograd.Function):
         el, er, feat, w, mx, inv, out = ctx.saved_tensors
         need = ctx.needs_input_grad
         grads = _OPS.gat_backward(
-            _csr(ctx.gi, "a")[0], _t2in(ctx.gi), *_csr(ctx.gi, "at"), el, er, feat, w, ctx.slope, mx, inv, out, dout.contiguous(),
-            need[0], need[1], need[2], need[3] and w is not None)
+            _csr(ctx.gi, "a")[0], _t2in(ctx.gi), *_csr(ctx.gi, "at"), el, er, feat, w, ctx.slope,
+            mx, inv, out, dout.contiguous(), need[0], need[1], need[2], need[3] and w is not None)
         return tuple(g if n else None for g, n in zip(grads, need[:4])) + (None, None)
 
 

@@ -286,8 +286,9 @@ def write_markdown(rows, prim_rows, path, meta, block_rows=()):
     impls = [k for k in IMPLS if any(r["impl"] == k for r in rows)]
     lines = ["# GAT attention + aggregation: fused native kernel vs today's plan and DGL", "",
              f"Machine: {meta['machine']}; torch {torch.__version__}, DGL {dgl.__version__}; "
-             f"OMP_WAIT_POLICY {meta['wait_policy']}; run of {meta['minutes']:.1f} min. Written by "
-             f"`python -m scripts.bench_gat {meta['argv']}`.", "",
+             f"OMP_WAIT_POLICY {meta['wait_policy']}; load average {meta['load']:.1f} at the start; "
+             f"run of {meta['minutes']:.1f} min. Written by "
+             f"`{' '.join(['python -m scripts.bench_gat', meta['argv']]).strip()}`.", "",
              "Median wall time per call in ms (min over the rounds in brackets). *today* is the "
              "faster of the two granii compositions (`granii_dgl`, `granii_torch`: sddmm_add + "
              "leaky_relu + edge_softmax + spmm_weighted torch_csr); **fused/today** is today's "
@@ -400,6 +401,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     before = torch.get_num_threads()
     start = time.perf_counter()
+    load_at_start = os.getloadavg()[0]
     rows, prim_rows, block_rows = [], [], []
     try:
         for i, name in enumerate(names):
@@ -415,7 +417,8 @@ def main(argv=None):
         torch.set_num_threads(before)
     meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "minutes": (time.perf_counter() - start) / 60, "quick": args.quick,
-            "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "argv": " ".join(sys.argv[1:])}
+            "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "argv": " ".join(sys.argv[1:]),
+            "load": load_at_start}
     t = args.tag
     write_csv(rows, out / f"gat{t}.csv")
     write_csv(prim_rows, out / f"gat{t}_primitives.csv")

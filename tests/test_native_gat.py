@@ -212,6 +212,21 @@ def test_zero_in_degree_rows_are_zero_with_zero_gradient():
     assert (ger[empty] == 0).all()
 
 
+@needs_native
+@pytest.mark.parametrize("nodes", [5, 0])
+def test_graph_without_edges(nodes):
+    g = dgl.graph((torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long)), num_nodes=nodes)
+    gi = graph_info(g)
+    el, er, feat, _ = (t.requires_grad_() if t is not None else t
+                       for t in _inputs(g, 2, 4, torch.float32, False))
+    y = native_gat.gat_fused_native(gi, el, er, feat, 0.2)
+    assert y.shape == (nodes, 2, 4) and not y.any()
+    grads = torch.autograd.grad(y.sum(), (el, er, feat))
+    assert all(not t.any() for t in grads)
+    assert native_gat.edge_softmax_native(gi, torch.randn(0, 2)).shape == (0, 2)
+    assert native_gat.sddmm_add_native(gi, el, er).shape == (0, 2, 1)
+
+
 # -- against DGL's GATConv ------------------------------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("heads", [1, 8])

@@ -27,6 +27,8 @@ between the softmax and the aggregation; the fused kernel cannot reproduce that 
 ``fusable(attn_drop_p, training)`` is False then and the caller must run the unfused primitives
 (``sddmm_add``, leaky ReLU, ``edge_softmax``, dropout, ``spmm_weighted``).
 """
+import math
+
 import dgl
 import torch
 import torch.nn.functional as F
@@ -81,9 +83,10 @@ def _coo(gi):
     return gi.memo("native_coo", make)
 
 
-def _heads(t, n):
-    """``el``/``er`` of shape ``(n,)``, ``(n, H)`` or ``(n, H, 1)`` as a contiguous ``(n, H)``."""
-    return t.reshape(n, -1).contiguous()
+def _rows(t, n):
+    """``t`` of shape ``(n, ...)`` as a contiguous ``(n, K)`` (``K``: the product of the rest; also
+    when ``n`` is 0)."""
+    return t.reshape(n, math.prod(t.shape[1:])).contiguous()
 
 
 class _GatFused(torch.autograd.Function):
@@ -121,14 +124,14 @@ def _check_shapes(gi, el, er, feat, edge_weight):
 def gat_fused_native(gi, el, er, feat, slope, edge_weight=None):
     """``gat_aggregate`` in one native pass per destination row (see the module docstring).
 
-    Float32 and float64; other dtypes run the ``torch`` composition.
+    Float32 and float64; other dtypes run the ``dgl`` composition.
     """
     _check_shapes(gi, el, er, feat, edge_weight)
     if feat.dtype not in (torch.float32, torch.float64):
-        return gat_aggregate_torch(gi, el, er, feat, slope, edge_weight)
+        return gat_aggregate_dgl(gi, el, er, feat, slope, edge_weight)
     dt = feat.dtype
     w = None if edge_weight is None else edge_weight.reshape(-1).to(dt).contiguous()
-    return _GatFused.apply(_heads(el, gi.num_src).to(dt), _heads(er, gi.num_dst).to(dt),
+    return _GatFused.apply(_rows(el, gi.num_src).to(dt), _rows(er, gi.num_dst).to(dt),
                            feat.contiguous(), w, gi, float(slope))
 
 
@@ -190,8 +193,8 @@ def sddmm_add_native(gi, a_src, b_dst):
     dt = torch.promote_types(a_src.dtype, b_dst.dtype)
     if dt not in (torch.float32, torch.float64):
         return _sddmm.sddmm_add_torch(gi, a_src, b_dst)
-    a = a_src.to(dt).expand(gi.num_src, *tail).reshape(gi.num_src, -1).contiguous()
-    b = b_dst.to(dt).expand(gi.num_dst, *tail).reshape(gi.num_dst, -1).contiguous()
+    a = _rows(a_src.to(dt).expand(gi.num_src, *tail), gi.num_src)
+    b = _rows(b_dst.to(dt).expand(gi.num_dst, *tail), gi.num_dst)
     return _SddmmAdd.apply(a, b, gi).reshape(gi.num_edges, *tail)
 
 
@@ -217,8 +220,7 @@ def edge_softmax_native(gi, e):
     """``a_e = exp(e_e - m_v) / sum_{e' -> v} exp(e_e' - m_v)`` per destination, ``e`` of shape ``(E, ...)``."""
     if e.dtype not in (torch.float32, torch.float64):
         return _softmax.edge_softmax_torch(gi, e)
-    x = e.reshape(gi.num_edges, -1).contiguous()
-    return _EdgeSoftmax.apply(x, gi).reshape(e.shape)
+    return _EdgeSoftmax.apply(_rows(e, gi.num_edges), gi).reshape(e.shape)
 
 
 if available():

@@ -288,6 +288,16 @@ def test_gradcheck(name):
     assert torch.autograd.gradcheck(lambda e: native_gat.edge_softmax_native(gi, e), (e,))
 
 
+@needs_native
+def test_second_derivative_raises():
+    g = _random()
+    el, er, feat, _ = (t.requires_grad_() if t is not None else t for t in _inputs(g, 2, 3, torch.float64, False))
+    y = native_gat.gat_fused_native(graph_info(g), el, er, feat, 0.2)
+    (gf,) = torch.autograd.grad(y.square().sum(), feat, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gf.sum().backward()
+
+
 # -- index types, threads --------------------------------------------------------------------------------
 @needs_native
 def test_int64_indices_give_the_int32_results():

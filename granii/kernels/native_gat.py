@@ -20,7 +20,8 @@ summed per source row without races; ``D_v = <dout[v], out[v]>`` gives the softm
 without another pass over the edges. Because the output is saved for the backward, modifying it
 in place before the backward makes autograd raise (as for ``torch.softmax``); DGL's
 ``u_mul_e_sum`` saves its inputs instead. Edge weights are read through the CSR's edge ids (one
-scattered read per edge).
+scattered read per edge). The backwards are native too and not differentiable again: a second
+derivative through them raises (``once_differentiable``).
 
 Attention dropout (GATConv's ``attn_drop`` with ``p > 0`` in training) draws a mask on ``a``
 between the softmax and the aggregation; the fused kernel cannot reproduce that draw, so
@@ -32,6 +33,7 @@ import math
 import dgl
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from granii.kernels import native
 from granii.kernels import softmax as _softmax
@@ -100,6 +102,7 @@ class _GatFused(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         el, er, feat, w, mx, inv, out = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -174,6 +177,7 @@ class _SddmmAdd(torch.autograd.Function):
         return _OPS.sddmm_add_coo(*_coo(gi), a, b)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, de):
         de = de.contiguous()
         da = db = None
@@ -210,6 +214,7 @@ class _EdgeSoftmax(torch.autograd.Function):
         return a
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         (a,) = ctx.saved_tensors
         indptr, _, eids = _csr(ctx.gi, "a")

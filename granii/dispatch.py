@@ -84,11 +84,16 @@ class LayerState:
     tuned: tuple = None                              # (median seconds per candidate, kept)
     fallbacks: dict = field(default_factory=dict)    # call shape -> reason, for any input
     chosen: dict = field(default_factory=dict)       # decision_key -> the plan kept (saved)
+    last_failure: Exception = None                   # the variant that failed on this call
+    params: tuple = None                             # (names, defaults, all plain) of forward
 
 
 def new_state(layer, name=None):
-    return LayerState(name or type(layer).__name__, layer,
-                      inspect.signature(type(layer).forward.__get__(layer)))
+    sig = inspect.signature(type(layer).forward.__get__(layer))
+    ps = sig.parameters
+    params = (list(ps), {n: p.default for n, p in ps.items()},
+              all(p.kind == p.POSITIONAL_OR_KEYWORD for p in ps.values()))
+    return LayerState(name or type(layer).__name__, layer, sig, params=params)
 
 
 class Dispatcher:
@@ -144,7 +149,7 @@ def dispatch(state, options, layer, args, kwargs):
         call = f"binding the call failed ({type(e).__name__}: {e})"
     if isinstance(call, str):
         state.fallback = call
-        variant = state.__dict__.pop("_last_variant", None)
+        variant, state.last_failure = state.last_failure, None
         if isinstance(variant, Exception) and getattr(variant, "spec", None) == []:
             state.fallbacks[shape] = variant     # the same reason holds for every such call
         return original_forward(layer, args, kwargs)
@@ -249,7 +254,7 @@ def _preset(state, call, dk, preset):
         raise ValueError(f"granii: the saved decision for layer '{state.name}' names plan "
                          f"{preset['plan']}, which this version of granii does not have for "
                          "this call: decide again (leave out decisions=)")
-    fn, code = compile_plan(plan, tuple(preset["impls"]))
+    fn, _ = compile_plan(plan, tuple(preset["impls"]))
     state.chosen[dk] = preset
     return (f"[{plan.index}]", fn, leaf_vals_order(plan), tuple(preset["impls"]))
 
@@ -379,7 +384,7 @@ def prepare(state, module, args, kwargs, reuse_inputs=True):
     gi = graph_info(graph)
     compiled = _variant(state, module, key, values, gi)
     if isinstance(compiled, Exception):
-        state._last_variant = compiled
+        state.last_failure = compiled
         return str(compiled)
     _run_guards(state, compiled.layer_ir, gi, values, module)
     leaf_vals, symbols = _bind(state, compiled, gi, values, module)
@@ -436,12 +441,7 @@ def _variant(state, module, key, values, gi):
 def _bind_arguments(state, args, kwargs):
     """``{parameter: value}`` of a call, defaults filled in (``Signature.bind`` without its
     generality: forward() has no ``*args``/``**kwargs``, which the frontend refuses anyway)."""
-    params = state.__dict__.get("_params")
-    if params is None:
-        ps = list(state.signature.parameters.values())
-        simple = all(p.kind == p.POSITIONAL_OR_KEYWORD for p in ps)
-        params = state._params = ([p.name for p in ps], {p.name: p.default for p in ps}, simple)
-    names, defaults, simple = params
+    names, defaults, simple = state.params
     if not simple or len(args) > len(names) or any(k not in defaults for k in kwargs):
         bound = state.signature.bind(*args, **kwargs)
         bound.apply_defaults()

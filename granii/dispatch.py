@@ -29,6 +29,7 @@ import torch
 from .enumerate import TooManyTrees, binary_orders, layer_forest
 from .fuse import fused_variants
 from .frontend import FrontendError, RaisesForConfig, lower_layer
+from .frontend.rules import config_summary
 from .graph import graph_info
 from .memory import plan_memory
 from .plan import COMPUTED, REUSE, compile_plan, fuse_gemm_add, lower, tree_calls
@@ -45,6 +46,8 @@ class Compiled:
     leaves: dict = field(default_factory=dict)       # variable -> Leaf, over every plan
     n_promoted: int = 0                              # plans that survived pruning
     n_orders: int = 0                                # binary association orders in all
+    symbols: dict = field(default_factory=dict)      # shapes of a call -> (symbols, sorted)
+    views: dict = field(default_factory=dict)        # variable -> (weight, key, view) no grad
 
 
 @dataclass
@@ -157,7 +160,7 @@ def dispatch(state, options, layer, args, kwargs):
     per_graph = state.decisions.get(call.gi)
     if per_graph is None:
         per_graph = state.decisions[call.gi] = {}
-    dkey = (call.key, tuple(sorted(call.symbols.items()))) + mode
+    dkey = (call.key, call.sym_key) + mode
     if dkey in state.failed:
         state.fallback = state.failed[dkey]
         return original_forward(layer, args, kwargs)
@@ -367,6 +370,7 @@ class Call:
     input_grad: bool
     module: object = None
     input_repeats: bool = False
+    sym_key: tuple = ()                              # sorted symbol items (shared: read-only)
 
 
 def prepare(state, module, args, kwargs, reuse_inputs=True):
@@ -387,7 +391,7 @@ def prepare(state, module, args, kwargs, reuse_inputs=True):
         state.last_failure = compiled
         return str(compiled)
     _run_guards(state, compiled.layer_ir, gi, values, module)
-    leaf_vals, symbols = _bind(state, compiled, gi, values, module)
+    leaf_vals, (symbols, sym_key) = _bind(state, compiled, gi, values, module)
     grad = torch.is_grad_enabled()
     training = grad and any(p.requires_grad for p in module.parameters())
     input_grad = grad and feat.requires_grad
@@ -396,7 +400,7 @@ def prepare(state, module, args, kwargs, reuse_inputs=True):
     repeats = ident is not None and last is not None and last[0]() is feat and last[1] == ident
     state.last_input = None if ident is None else (weakref.ref(feat), ident)
     return Call(compiled, gi, leaf_vals, symbols, (id(compiled),) + key, training, input_grad,
-                module, repeats)
+                module, repeats, sym_key)
 
 
 def _call_shape(args, kwargs):
@@ -409,7 +413,6 @@ def _call_shape(args, kwargs):
 
 
 def _config_holds(variant, module):
-    from .frontend.rules import config_summary
     try:
         return all(config_summary(attribute(module, a)) == v
                    for a, v in getattr(variant, "config", {}).items())
@@ -461,28 +464,63 @@ def _bind_arguments(state, args, kwargs):
 
 
 _ATTR_PATHS = {}
+_MISSING = object()
+_CLASS_DEFINES = {}
 
 
 def attribute(obj, dotted):
-    """``obj.a.b.c`` for ``dotted = "a.b.c"`` (submodules of a ``Sequential`` by index too)."""
+    """``obj.a.b.c`` for ``dotted = "a.b.c"`` (submodules of a ``Sequential`` by index too).
+
+    A module's parameters, buffers and submodules are read from its dictionaries directly (what
+    ``nn.Module.__getattr__`` does after a failed ordinary lookup), unless its class defines the
+    name."""
     parts = _ATTR_PATHS.get(dotted)
     if parts is None:
         parts = _ATTR_PATHS[dotted] = tuple(dotted.split("."))
     for part in parts:
-        obj = getattr(obj, part)
+        obj = _get(obj, part)
     return obj
 
 
+def _get(obj, name):
+    cls = type(obj)
+    defines = _CLASS_DEFINES.get((cls, name))
+    if defines is None:
+        defines = _CLASS_DEFINES[(cls, name)] = (
+            hasattr(cls, name) or not isinstance(obj, torch.nn.Module))
+    if not defines:
+        d = obj.__dict__
+        v = d.get(name, _MISSING)
+        if v is not _MISSING:
+            return v
+        for store in ("_parameters", "_buffers", "_modules"):
+            v = d[store].get(name, _MISSING)
+            if v is not _MISSING:
+                return v
+    return getattr(obj, name)
+
+
 def _holds(variant, module, values, gi):
-    from .frontend.rules import config_summary
     spec, config = ((variant.layer_ir.spec, variant.layer_ir.config)
                     if isinstance(variant, Compiled) else
                     (getattr(variant, "spec", []), getattr(variant, "config", {})))
-    for a, v in config.items():
+    checks = getattr(variant, "config_checks", None)
+    if checks is None:
+        checks = variant.config_checks = [
+            (_ATTR_PATHS.setdefault(a, tuple(a.split("."))),
+             v[1] if isinstance(v, tuple) and len(v) == 2 and v[0] == "object" else None, v)
+            for a, v in config.items()]
+    for parts, want_id, want in checks:
+        now = module
         try:
-            if config_summary(attribute(module, a)) != v:
-                return False
+            for part in parts:
+                now = _get(now, part)
         except AttributeError:
+            return False
+        if want_id is not None:
+            if id(now) != want_id:
+                return False
+        elif now is not want and config_summary(now) != want:
             return False
     graph_name = next(iter(values))
     ns = None
@@ -602,40 +640,77 @@ def _run_guards(state, lir, gi, values, module):
 
 
 def _bind(state, compiled, gi, values, module):
-    """Leaf values by variable name and the size symbols of this call, checked for consistency."""
+    """Leaf values by variable name and the size symbols of this call, checked for consistency.
+
+    The symbols depend only on the graph's sizes and the leaves' shapes: they are worked out and
+    checked once per combination of those (``Compiled.symbols``), then looked up."""
+    out = {}
+    shapes = [gi.num_src, gi.num_dst, gi.num_edges, gi.is_block]
+    for var, leaf in compiled.leaves.items():
+        src = leaf.source
+        kind = src[0]
+        if kind in COMPUTED:
+            if kind == "headdiag":
+                shapes.append(attribute(module, src[1]).shape)
+            continue
+        if kind == "arg" or kind == "edge":
+            val = _arg_value(values, src[1])
+        elif kind == "arg_dst":
+            val = values[src[1]][: gi.num_dst]
+        elif kind == "param_block" or leaf.transposed:
+            val = _view(compiled, var, leaf, attribute(module, src[1]))
+        else:
+            val = attribute(module, src[1])
+        out[var] = val
+        shapes.append(getattr(val, "shape", None))
+    shapes = tuple(shapes)
+    known = compiled.symbols.get(shapes)
+    if known is None:
+        known = _symbols(state, compiled, gi, out, values, module)
+        if len(compiled.symbols) < 64:
+            compiled.symbols[shapes] = known
+    return out, known
+
+
+def _view(compiled, var, leaf, base):
+    """A weight's transpose or row block. Without autograd, made once per weight (the same
+    object, shape and storage) and mode, and reused: a view sees in-place updates."""
+    src = leaf.source
+    grad = torch.is_grad_enabled()
+    if not grad and isinstance(base, torch.Tensor):
+        key = (base.shape, base.data_ptr(), torch.is_inference_mode_enabled())
+        hit = compiled.views.get(var)
+        if hit is not None and hit[0] is base and hit[1] == key:
+            return hit[2]
+    if src[0] == "param_block":
+        _, _, i, m, transposed = src
+        full = base.t() if transposed else base
+        k = full.shape[0] // m
+        val = full[i * k:(i + 1) * k]
+    else:
+        val = base.t()
+    if not grad and isinstance(base, torch.Tensor):
+        compiled.views[var] = (base, key, val)
+    return val
+
+
+def _symbols(state, compiled, gi, out, values, module):
+    """``(symbols, sorted items)`` of a call: graph sizes, then each leaf's shape checked against
+    the sizes other leaves gave the same symbol."""
     feat = values[list(values)[1]]
     symbols = {"E": gi.num_edges}
     if gi.is_block:
         symbols.update(N_src=gi.num_src, N_dst=gi.num_dst)
     else:
         symbols["N"] = gi.num_src
-    out = {}
     for var, leaf in compiled.leaves.items():
         src = leaf.source
         if src[0] == "headdiag":
             symbols[leaf.cols] = attribute(module, src[1]).shape[-2]
-        if src[0] in COMPUTED:
+        if src[0] in COMPUTED or src[0] == "edge":
             continue
-        if src[0] in ("arg", "edge"):
-            val = _arg_value(values, src[1])
-            if src[0] == "edge":
-                out[var] = val
-                continue
-        elif src[0] == "arg_dst":
-            val = values[src[1]][: gi.num_dst]
-        elif src[0] == "param_block":
-            _, attr, i, m, transposed = src
-            full = attribute(module, attr)
-            full = full.t() if transposed else full
-            k = full.shape[0] // m
-            val = full[i * k:(i + 1) * k]
-        else:
-            val = attribute(module, src[1])
-            if leaf.transposed:
-                val = val.t()
-        out[var] = val
-        _check_size(state, leaf, val, symbols, feat)
-    return out, symbols
+        _check_size(state, leaf, out[var], symbols, feat)
+    return symbols, tuple(sorted(symbols.items()))
 
 
 def _arg_value(values, name):

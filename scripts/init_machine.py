@@ -51,6 +51,9 @@ def parse_args(argv=None):
                          "fastest round), not only on the clean ones")
     ap.add_argument("--train-only", action="store_true",
                     help="skip profiling: train from the records already there")
+    ap.add_argument("--graph-stride", type=int, default=1,
+                    help="profile every N-th graph of the corpus only: a broad run over the "
+                         "same range of sizes in about 1/N of the time (coarser models)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="stop profiling after this many minutes and train on what is measured "
@@ -82,6 +85,8 @@ def main(argv=None):
     fid = fingerprint_id(fp)
     run_dir = args.runs / fid
     config = CONFIGS["quick" if args.quick else "full"]()
+    if args.graph_stride > 1:
+        config.graphs = config.graphs[::args.graph_stride]
     print(f"granii: machine {fid}: {fp['cpu_model']}, {fp['cores']} cores, {threads} threads, "
           f"torch {fp['torch']}, dgl {fp['dgl']}, xgboost {fp['xgboost']}")
     t0 = time.perf_counter()

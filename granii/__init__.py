@@ -8,6 +8,7 @@
 """
 from .api import explain, find_layers, load_decisions, restore, save_decisions
 from .api import granii as _granii
+from .graph import set_cache_limit
 
 
 class _Granii:
@@ -17,6 +18,7 @@ class _Granii:
     find_layers = staticmethod(find_layers)
     save_decisions = staticmethod(save_decisions)
     load_decisions = staticmethod(load_decisions)
+    set_cache_limit = staticmethod(set_cache_limit)
 
     def __call__(self, model, graph, feats, **options):
         return _granii(model, graph, feats, **options)
@@ -25,4 +27,5 @@ class _Granii:
 
 
 granii = _Granii()
-__all__ = ["granii", "explain", "restore", "find_layers", "save_decisions", "load_decisions"]
+__all__ = ["granii", "explain", "restore", "find_layers", "save_decisions", "load_decisions",
+           "set_cache_limit"]

@@ -9,9 +9,80 @@ the features of its sources. ``D_in = diag(A 1)`` holds destination (in-)degrees
 graph alone (degree powers, normalised edge values, CSR matrices) in ``cache``: a plan's
 "precompute once" values live there, so a new graph never sees stale ones.
 """
+import os
 import weakref
 
 import torch
+
+
+def _physical_memory():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+# Bytes the once-per-graph caches of one graph may hold (``set_cache_limit``).
+CACHE_LIMIT = {"bytes": _physical_memory() // 4}
+
+
+def set_cache_limit(nbytes):
+    """Bound the tensors granii keeps per graph (index structures, once-per-graph and
+    once-per-input results) to ``nbytes``; beyond it the oldest are dropped, and computed again
+    when needed. Default: a quarter of the machine's memory."""
+    CACHE_LIMIT["bytes"] = int(nbytes)
+
+
+def nbytes(value, seen=None):
+    """Bytes of the tensors held in ``value`` (tuples, lists, dicts of tensors), each storage once."""
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        try:
+            ptr = value.untyped_storage().data_ptr()
+        except RuntimeError:
+            return 0
+        if ptr in seen:
+            return 0
+        seen.add(ptr)
+        return value.untyped_storage().nbytes()
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (tuple, list)):
+        return 0
+    return sum(nbytes(v, seen) for v in value)
+
+
+class GraphCache(dict):
+    """``GraphInfo.cache``: a dict whose tensors are bounded by ``CACHE_LIMIT`` bytes.
+
+    Sizes are added up as entries are stored, and counted again past the limit and every
+    ``RECOUNT`` stores (entries can grow after they are stored); the oldest are dropped until the
+    rest fit. Dropped
+    values are recomputed by whoever needs them: a bound on memory, never on correctness."""
+
+    RECOUNT = 8           # stores between two full counts (entries that grew in place)
+
+    def __init__(self):
+        super().__init__()
+        self.held = 0
+        self.stores = 0
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.held += nbytes(value)
+        self.stores += 1
+        if self.held > CACHE_LIMIT["bytes"] or self.stores % self.RECOUNT == 0:
+            self.shrink(keep=key)
+
+    def shrink(self, keep=None):
+        sizes = {k: nbytes(v) for k, v in self.items()}
+        self.held = sum(sizes.values())
+        for k in list(self):
+            if self.held <= CACHE_LIMIT["bytes"]:
+                break
+            if k != keep and sizes[k]:
+                super().__delitem__(k)
+                self.held -= sizes[k]
 
 
 class GraphInfo:
@@ -29,7 +100,7 @@ class GraphInfo:
         self.num_dst = g.num_dst_nodes()
         self.num_edges = g.num_edges()
         self.is_block = g.is_block
-        self.cache = {}
+        self.cache = GraphCache()
 
     @property
     def g(self):

@@ -5,10 +5,11 @@
                  divided by ``expected_calls`` when s runs once per graph or once per input.
 
 Plans promoted only for the other embedding-size scenario are skipped first (the paper's
-"conditions using embedding sizes"), so the cost models see the rest only; except when the input
-features need no gradient and the same tensor came back (``input_repeats``: the first layer of a
-model on fixed features): then work on the features alone runs once per input (``A H``), which the
-scenarios did not assume, and every promoted plan is priced.
+"conditions using embedding sizes"), so the cost models see the rest only; except where the
+scenarios' assumption (every step of the forward runs on every call) fails: when the input features
+need no gradient and the same tensor came back (``input_repeats``: the first layer of a model on
+fixed features), work on the features alone runs once per input (``A H``); in training the backward
+adds calls of other sizes. Then every promoted plan is priced.
 Training (gradients needed) prices each every-call step whose operands need a gradient by the
 measured forward and backward of its implementation (``step_seconds``):
 
@@ -51,9 +52,12 @@ def rank(plans, gi, symbols, model, training=False, input_grad=False,
     scen = scenario(symbols)
     cacheable = (input_repeats and not input_grad
                  and any(s.when == INPUT for p in plans for s in p.steps))
-    # With features that need no gradient, work on them alone is done once (once_per_input):
-    # the size scenarios assumed every call pays for it, so every promoted plan competes.
-    candidates = [p for p in plans if cacheable or scen is None or scen in p.scenarios]
+    # The size scenarios assumed a forward whose every step runs on every call. With features
+    # that need no gradient, work on them alone is done once (once_per_input); in training the
+    # backward adds calls of other sizes (dW = X^T dY skips A^T dY when X needs no gradient):
+    # in both cases every promoted plan competes.
+    candidates = [p for p in plans
+                  if cacheable or training or scen is None or scen in p.scenarios]
     candidates = candidates or list(plans)
     ranked = [price(p, gi, symbols, model, training, input_grad, expected_calls, cacheable)
               for p in candidates]

@@ -171,3 +171,32 @@ def test_extra_forward_arguments_reach_the_inspection_run():
     granii(model, g, x, cost_model=AnalyticalCost(), extra_args=(w,))
     assert layer_states(model)[0].last is not None          # decided during granii()
     torch.testing.assert_close(model(g, x, w), want)
+
+
+def test_per_graph_cache_is_bounded_and_results_stay_right():
+    """With a cache limit far below what a layer keeps per graph, entries are dropped and made
+    again: outputs still equal DGL's, and once counted the cache holds no more than the limit."""
+    import dgl
+    from dgl.nn import GraphConv
+    from granii import granii as opt
+    from granii import graph as G
+    g = dgl.add_self_loop(dgl.rand_graph(300, 3000))
+    torch.manual_seed(0)
+    ref = GraphConv(8, 4, norm="both", allow_zero_in_degree=True)
+    layer = copy.deepcopy(ref)
+    old = G.CACHE_LIMIT["bytes"]
+    try:
+        G.set_cache_limit(4096)
+        x0 = torch.randn(300, 8)
+        opt(layer, g, x0)
+        gi = G.graph_info(g)
+        for _ in range(3 * G.GraphCache.RECOUNT):
+            x = torch.randn(300, 8)
+            assert torch.allclose(layer(g, x), ref(g, x), atol=1e-5)
+            assert torch.allclose(layer(g, x0), ref(g, x0), atol=1e-5)
+        gi.cache.shrink()
+        assert G.nbytes(dict(gi.cache)) <= 4096
+        x = torch.randn(300, 8)
+        assert torch.allclose(layer(g, x), ref(g, x), atol=1e-5)
+    finally:
+        G.set_cache_limit(old)

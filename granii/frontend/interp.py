@@ -18,9 +18,10 @@ import textwrap
 import torch
 
 from .. import ir
-from . import rules
-from .values import (Degrees, Edges, Frame, FrontendError, Graph, GraphCondition, LocalScope,
-                     HeadProduct, Method, RaisesForConfig, Scalar, Shape, Tensor)
+from . import rules, udf
+from .values import (UDF_VALUES, BatchFrame, Degrees, Edges, Frame, FrontendError, Graph,
+                     GraphCondition, LocalScope, HeadProduct, Method, RaisesForConfig, Scalar,
+                     Shape, Tensor)
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.Pow: operator.pow, ast.MatMult: operator.matmul,
@@ -29,14 +30,7 @@ _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast
            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
            ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
 _SYMBOLIC = (Tensor, Edges, Degrees, Graph, Frame, Shape, GraphCondition, Method, Scalar,
-             HeadProduct)
-
-
-class PythonFunction:
-    """A lambda in the source: opaque to the frontend (it never runs it)."""
-
-    def __init__(self, text):
-        self.text = text
+             HeadProduct) + UDF_VALUES
 
 
 class _Return(Exception):
@@ -70,6 +64,7 @@ class Interpreter:
         self.heads = None         # (H, F) once features are split into attention heads
         self.leaves = {}
         self.sites = 0            # calls of functions so far (``rules.apply``)
+        self.where = None         # the user-defined function being read, None in forward
 
     # -- entry -------------------------------------------------------------------------------
     def run(self, bound):
@@ -83,6 +78,29 @@ class Interpreter:
 
     def fail(self, node, construct, reason):
         raise FrontendError(construct, reason, getattr(node, "lineno", None))
+
+    def call_user(self, fn, args, kwargs, role, node):
+        """The value of ``fn(*args, **kwargs)``, ``fn`` a ``udf.UserFunction`` read from its
+        source with the names it sees; errors name ``role`` and a line counted from its first."""
+        local = udf.bind(fn, args, kwargs, node)
+        saved = self.env, self.globals, self.src, self.where
+        self.env, self.globals, self.src = local, fn.globals, fn.src
+        self.where = f"{role} '{fn.name}'" if role != fn.name else f"function '{fn.name}'"
+        try:
+            if isinstance(fn.node, ast.Lambda):
+                return self.eval(fn.node.body)
+            try:
+                self.exec_block(fn.node.body)
+            except _Return as r:
+                return r.value
+            return None
+        except FrontendError as e:
+            if e.where is not None:
+                raise
+            line = e.lineno - fn.first_line + 1 if e.lineno else None
+            raise FrontendError(e.construct, e.reason, line, self.where) from None
+        finally:
+            self.env, self.globals, self.src, self.where = saved
 
     # -- statements --------------------------------------------------------------------------
     def exec_block(self, stmts):
@@ -103,6 +121,11 @@ class Interpreter:
 
     def stmt_Pass(self, s):
         pass
+
+    def stmt_FunctionDef(self, s):
+        if s.decorator_list:
+            self.fail(s, f"decorated function '{s.name}'", "not read by the frontend")
+        self.env[s.name] = udf.defined_in_source(self, s)
 
     def stmt_Return(self, s):
         raise _Return(self.eval(s.value) if s.value is not None else None)
@@ -153,6 +176,9 @@ class Interpreter:
         """Decide a branch on the graph or tensors with this call's values, and remember it: the
         plan is only reused for inputs where the condition has the same value."""
         text = ast.unparse(test)
+        if self.where is not None:
+            self.fail(test, f"branch on '{text}'", "depends on the data the function is called "
+                      "on (DGL may call it on parts of the graph); not lowered")
         names = sorted({n.id for n in ast.walk(test) if isinstance(n, ast.Name)})
         if not self.real:
             self.fail(test, f"branch on '{text}'", "depends on the input and no input was given")
@@ -195,6 +221,9 @@ class Interpreter:
             self.exec_block(s.orelse)
 
     def add_guard(self, s):
+        if self.where is not None:
+            self.fail(s, f"check '{ast.unparse(s.test)}'", "a check on the data inside a "
+                      "user-defined function is not lowered")
         names = sorted({n.id for n in ast.walk(s) if isinstance(n, ast.Name)})
         self.guards.append((ast.unparse(s), names))
 
@@ -235,7 +264,7 @@ class Interpreter:
         return "<string>"
 
     def expr_Lambda(self, e):
-        return PythonFunction(ast.unparse(e))
+        return udf.defined_in_source(self, e)
 
     def expr_IfExp(self, e):
         c = self.eval(e.test)
@@ -257,6 +286,8 @@ class Interpreter:
         key = self.eval(e.slice)
         if isinstance(obj, Frame):
             return rules.frame_get(obj, key, self, e)
+        if isinstance(obj, BatchFrame):
+            return udf.frame_item(self, obj, key, e)
         if isinstance(obj, _SYMBOLIC) or isinstance(key, _SYMBOLIC):
             return rules.symbolic_index(self, obj, key, e)
         return obj[key]

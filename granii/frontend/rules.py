@@ -12,13 +12,15 @@
     f(x) for any other callable f       ->  Apply(f, x): a barrier (activations, dropout, ...)
 """
 import dataclasses
+import inspect
 
 import torch
 from torch import nn
 
 from .. import ir
-from .values import (Degrees, Edges, Frame, FrontendError, Graph, GraphCondition, HeadProduct,
-                     LocalScope, Method, RaisesForConfig, Scalar, Shape, Tensor)
+from . import udf
+from .values import (UDF_VALUES, Degrees, Edges, Frame, FrontendError, Graph, GraphCondition,
+                     HeadProduct, LocalScope, Method, RaisesForConfig, Scalar, Shape, Tensor)
 
 _U, _V, _E = 0, 1, 2
 _GRAPH_SCALARS = {"num_edges", "num_nodes", "number_of_edges", "number_of_nodes",
@@ -36,6 +38,8 @@ def module_attr(it, attr):
     """``self.<attr>``: configuration values as they are; tensors (parameters, buffers, cached
     values) as symbolic leaves read at run time, one-element ones as scalars."""
     value = getattr(it.module, attr)
+    if inspect.ismethod(value) and value.__self__ is it.module and attr not in vars(it.module):
+        return value             # a method of the layer's class (a message function, ...)
     it.config[attr] = config_summary(value)
     if isinstance(value, torch.Tensor):
         if value.numel() == 1 and value.dim() <= 1:
@@ -68,6 +72,8 @@ def param_leaf(it, attr, value, transposed=False):
 
 
 def symbolic_attr(it, obj, attr, node):
+    if isinstance(obj, UDF_VALUES):
+        return udf.attr(it, obj, attr, node)
     if isinstance(obj, Frame):
         return Method(obj, attr)
     if isinstance(obj, Graph):
@@ -172,10 +178,10 @@ def frame_get(frame, key, it, node):
 
 
 def update_all(it, graph, msg, red, node):
-    """``graph.update_all(msg, reduce)`` with DGL's built-in message and reduce functions."""
-    if not hasattr(msg, "out_field") or not hasattr(red, "msg_field"):
-        fail(node, "update_all with a Python function", "user-defined (UDF) message or reduce "
-             "functions are opaque to the frontend; only dgl.function built-ins are lowered")
+    """``graph.update_all(msg, reduce)`` with DGL's built-in message and reduce functions; with
+    a Python function for either, ``udf.update_all``."""
+    if not udf.is_builtin_message(msg) or not udf.is_builtin_reduce(red):
+        return udf.update_all(it, graph, msg, red, node)
     if msg.name == "copy_u":
         x = _frame_tensor(it, graph, msg.in_field, node)
         adj = it.leaf("A", it.n_dst, it.n_src, ir.SPARSE, ir.UNWEIGHTED, ("graph",))
@@ -210,7 +216,10 @@ def update_all(it, graph, msg, red, node):
 
 
 def apply_edges(it, graph, func, node):
-    """``graph.apply_edges(fn.u_add_v(a, b, out))``: per-edge ``a_u + b_v`` (an SDDMM)."""
+    """``graph.apply_edges(fn.u_add_v(a, b, out))``: per-edge ``a_u + b_v`` (an SDDMM); with a
+    Python function, ``udf.apply_edges``."""
+    if not hasattr(func, "out_field"):
+        return udf.apply_edges(it, graph, func, node)
     if getattr(func, "name", None) != "u_add_v":
         fail(node, f"apply_edges with {getattr(func, 'name', 'a Python function')}",
              "only fn.u_add_v is lowered")
@@ -279,6 +288,8 @@ def apply(it, label, x, ref, pure=False):
 
 
 def binop(it, op, a, b, node):
+    if isinstance(a, UDF_VALUES) or isinstance(b, UDF_VALUES):
+        return udf.binop(it, op, a, b, node)
     if op == "MatMult":
         return matmul(it, a, b, node)
     if isinstance(a, Degrees) or isinstance(b, Degrees):
@@ -349,6 +360,8 @@ def degree_arith(it, op, a, b, node):
 # -- calls -----------------------------------------------------------------------------------------
 def call_method(it, m, args, kwargs, node):
     obj, name = m.obj, m.name
+    if isinstance(obj, UDF_VALUES):
+        return udf.call_method(it, obj, name, args, kwargs, node)
     if isinstance(obj, Graph):
         if name == "local_scope":
             return LocalScope()
@@ -359,7 +372,7 @@ def call_method(it, m, args, kwargs, node):
         if name in _GRAPH_SCALARS:
             return GraphCondition(name)
         if name == "update_all":
-            return update_all(it, obj, *args[:2], node)
+            return update_all(it, obj, *_update_all_args(args, kwargs, node), node)
         if name == "apply_edges" and len(args) == 1 and not kwargs:
             return apply_edges(it, obj, args[0], node)
         fail(node, f"graph.{name}", "not lowered")
@@ -404,6 +417,18 @@ def call_method(it, m, args, kwargs, node):
     fail(node, f".{name}() on {type(obj).__name__}", "not lowered")
 
 
+def _update_all_args(args, kwargs, node):
+    """``(message_func, reduce_func)`` of an ``update_all`` call without ``apply_node_func``."""
+    given = dict(zip(("message_func", "reduce_func", "apply_node_func", "etype"), args))
+    given.update(kwargs)
+    if given.get("apply_node_func") is not None or given.get("etype") is not None \
+            or set(given) - {"message_func", "reduce_func", "apply_node_func", "etype"}:
+        fail(node, "update_all with apply_node_func or etype", "not lowered")
+    if "message_func" not in given or "reduce_func" not in given:
+        fail(node, "update_all", "without a message and a reduce function")
+    return given["message_func"], given["reduce_func"]
+
+
 def degree_method(d, name, args, kwargs, node):
     if name in _SAME_VALUE_METHODS or name in ("unsqueeze", "view", "reshape"):
         return d
@@ -420,6 +445,10 @@ def degree_method(d, name, args, kwargs, node):
 
 
 def call_function(it, func, args, kwargs, node):
+    if isinstance(func, udf.UserFunction):
+        return it.call_user(func, args, kwargs, func.name, node)
+    if any(udf._holds_udf(a) for a in list(args) + list(kwargs.values())):
+        return udf.call_function(it, func, args, kwargs, node)
     if func is torch.cat and args and isinstance(args[0], (list, tuple)) \
             and any(isinstance(p, Tensor) for p in args[0]):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
@@ -482,7 +511,8 @@ def call_function(it, func, args, kwargs, node):
 
 
 _CONTAINER_BUILTINS = (len, list, tuple, zip, enumerate, reversed, range, dict)
-_SYMBOLIC_TYPES = (Tensor, Degrees, Edges, Graph, Shape, GraphCondition, Scalar, HeadProduct)
+_SYMBOLIC_TYPES = (Tensor, Degrees, Edges, Graph, Shape, GraphCondition, Scalar,
+                   HeadProduct) + UDF_VALUES
 
 
 def _holds_symbolic(a):

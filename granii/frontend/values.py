@@ -11,15 +11,19 @@ from .. import ir
 class FrontendError(Exception):
     """The frontend met a construct it does not lower; ``construct`` names it for ``explain``."""
 
-    def __init__(self, construct, reason, lineno=None):
-        where = f" (line {lineno} of forward)" if lineno else ""
-        super().__init__(f"{construct}{where}: {reason}")
+    def __init__(self, construct, reason, lineno=None, where=None):
+        if lineno:
+            at = f" (line {lineno} of {where or 'forward'})"
+        else:
+            at = f" (in {where})" if where else ""
+        super().__init__(f"{construct}{at}: {reason}")
         self.construct = construct
         self.reason = reason
         self.lineno = lineno
+        self.where = where      # the user-defined function it was met in, None for forward
 
     def __reduce__(self):       # copies and pickles of a model keep the reason of a fallback
-        return type(self), (self.construct, self.reason, self.lineno), self.__dict__
+        return type(self), (self.construct, self.reason, self.lineno, self.where), self.__dict__
 
 
 class RaisesForConfig(Exception):
@@ -123,3 +127,59 @@ class Method:
 
 class LocalScope:
     """``graph.local_scope()``: a context manager with no effect on the IR."""
+
+
+# -- inside user-defined message, reduce and apply-edges functions ---------------------------------
+@dataclass
+class EdgeBatch:
+    """The ``edges`` argument of a message or apply-edges function."""
+    graph: Graph
+
+
+@dataclass
+class NodeBatch:
+    """The ``nodes`` argument of a reduce function; ``mailbox`` maps fields to ``Message``s."""
+    graph: Graph
+    mailbox: dict
+
+
+@dataclass
+class BatchFrame:
+    """``edges.src``, ``edges.dst``, ``edges.data``, ``nodes.data`` or ``nodes.mailbox``."""
+    batch: object
+    which: str
+
+
+@dataclass
+class Message:
+    """Per-edge values ``c * w_e * x_u`` of each edge ``e = u -> v``: the rows of ``x`` (a
+    ``Tensor``, or ``Degrees`` alone until it scales one) gathered at the sources, times the
+    edge values ``w`` (``Edges`` or ``None``) and the number ``c``."""
+    x: object
+    w: object = None
+    c: float = 1.0
+
+
+@dataclass
+class DstValue:
+    """``edges.dst[k]``: the rows of ``x`` gathered at the destinations of the edges."""
+    x: object
+
+
+@dataclass
+class Mailbox:
+    """``nodes.mailbox[k]``: the messages ``msg`` of each node's in-edges, (nodes, degree, ...)."""
+    msg: Message
+
+    @property
+    def ndim(self):
+        return self.msg.x.ndim + 1 if isinstance(self.msg.x, Tensor) else 3
+
+
+@dataclass
+class Opaque:
+    """A value the frontend can name but not compute with (``argmax`` indices of a mailbox)."""
+    text: str
+
+
+UDF_VALUES = (EdgeBatch, NodeBatch, BatchFrame, Message, DstValue, Mailbox, Opaque)

@@ -1,0 +1,130 @@
+"""Sparse moves between index spaces and typed (per-relation) GEMMs, for relational layers.
+
+A *move* is a fixed sparse matrix ``M`` of shape ``(rows, cols)`` given by its entries
+``(row_j, col_j)`` and, optionally, the index ``vid_j`` of the value each entry reads::
+
+    Y[r, h] = sum_{j: row_j = r} val[vid_j, h] * X[col_j, h]        (val = 1 without values)
+
+with ``X`` of shape ``(cols, H, K)`` and ``Y`` of shape ``(rows, H, K)``. Gathers (one entry per
+row), scatter-adds (one entry per column) and relation-expanded SpMMs are all moves. Gradients:
+``dX = M_val^T dY`` and ``dval[vid_j, h] = <dY[row_j, h], X[col_j, h]>``.
+
+With the native extension a move is one ``granii::spmm_csr`` call on the CSR of ``M`` (the
+transpose, for the backward, is built on the first backward); ``dval`` is one
+``granii::sddmm_dot_csr``. Without it, an ``index_add`` on gathered rows (torch's autograd).
+
+``segment_gemm(x, w, seglen)`` is ``Y[rows of segment r] = X[rows of segment r] W_r``: rows are
+sorted by relation; one ``dgl.ops.segment_mm`` call (a loop over relations inside the library,
+not in Python), with gradients to ``X`` and ``W``.
+"""
+import dgl
+import torch
+
+from granii.kernels import native
+
+_INT32_MAX = 2**31 - 1
+
+
+class Move:
+    """The sparse matrix ``M`` of a move, with its CSR (rows sorted) built once and its
+    transpose built on first use. ``vid`` is ``None`` for an unweighted move; otherwise a
+    permutation of ``0..nnz-1`` (each value is read by exactly one entry)."""
+
+    def __init__(self, row, col, rows, cols, vid=None):
+        self.rows, self.cols, self.nnz = int(rows), int(cols), int(row.numel())
+        self.row, self.col, self.vid = row.long(), col.long(), None if vid is None else vid.long()
+        self._csr = {}
+
+    def csr(self, transposed=False):
+        """``(indptr, indices, vperm)`` of ``M`` (or ``M^T``): vperm[j] is the value index of CSR
+        entry j (int64), None for an unweighted move."""
+        hit = self._csr.get(transposed)
+        if hit is None:
+            r, c = (self.col, self.row) if transposed else (self.row, self.col)
+            n = self.cols if transposed else self.rows
+            order = torch.argsort(r * max(self.cols if not transposed else self.rows, 1) + c,
+                                  stable=True)
+            indptr = torch.zeros(n + 1, dtype=torch.long)
+            indptr[1:] = torch.cumsum(torch.bincount(r, minlength=n), 0)
+            small = max(self.nnz, self.rows, self.cols) <= _INT32_MAX
+            cast = (lambda t: t.int().contiguous()) if small else (lambda t: t.contiguous())
+            vperm = None if self.vid is None else self.vid[order].contiguous()
+            hit = self._csr[transposed] = (cast(indptr), cast(c[order]), vperm,
+                                           None if vperm is None else cast(vperm))
+        return hit
+
+
+class _MoveFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, val, m):
+        indptr, indices, vperm, _ = m.csr()
+        v = None if val is None else val.index_select(0, vperm).contiguous()
+        ctx.m = m
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, val)
+        return torch.ops.granii.spmm_csr(indptr, indices, x, v)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, val = ctx.saved_tensors
+        m = ctx.m
+        dy = dy.contiguous()
+        dx = dval = None
+        if ctx.needs_input_grad[0]:
+            dx = _MoveFn.apply(dy, val, _Transposed.of(m))
+        if ctx.needs_input_grad[1]:
+            indptr, indices, _, vperm_i = m.csr()
+            dval = torch.ops.granii.sddmm_dot_csr(indptr, indices, vperm_i, dy, x.contiguous())
+        return dx, dval, None
+
+
+class _Transposed:
+    """``M^T`` as a move (its CSR is ``M``'s transposed one; value indices carried over)."""
+
+    @staticmethod
+    def of(m):
+        t = getattr(m, "_t", None)
+        if t is None:
+            t = m._t = Move(m.col, m.row, m.cols, m.rows, m.vid)
+            t._t = m
+        return t
+
+
+def move(m, x, val=None):
+    """``Y = M_val X`` for ``x`` of shape ``(cols, H, K)`` (or ``(cols, K)``, then ``H = 1``) and
+    ``val`` of shape ``(nnz, H)`` in value order; returns ``(rows, H, K)`` (or ``(rows, K)``)."""
+    two = x.dim() == 2
+    x3 = x.unsqueeze(1) if two else x
+    if val is not None:
+        val = val.reshape(m.nnz, x3.shape[1])
+    if native.available() and x3.dtype in (torch.float32, torch.float64):
+        y = _MoveFn.apply(x3.contiguous(), None if val is None else val.contiguous(), m)
+    else:
+        y = move_reference(m, x3, val)
+    return y.squeeze(1) if two else y
+
+
+def move_reference(m, x3, val=None):
+    """The same product with torch ops (``index_add`` of gathered rows): the fallback and the
+    tests' reference."""
+    g = x3.index_select(0, m.col)
+    if val is not None:
+        g = g * val.index_select(0, m.vid).unsqueeze(-1)
+    return torch.zeros(m.rows, *x3.shape[1:], dtype=x3.dtype).index_add(0, m.row, g)
+
+
+def segment_gemm(x, w, seglen):
+    """``Y = X W_r`` per segment of rows (rows sorted by relation ``r``; ``seglen`` ``(R,)`` int64
+    on the CPU); ``x`` ``(rows, k_in)``, ``w`` ``(R, k_in, k_out)``."""
+    if x.shape[0] == 0:
+        return x.new_zeros(0, w.shape[2]) + 0 * w.sum()
+    return dgl.ops.segment_mm(x, w, seglen)
+
+
+def rowwise_bdd(x, w, rel, blocks):
+    """Block-diagonal typed product: ``Y[i] = X[i] blockdiag(W_{rel_i})`` with ``w`` of shape
+    ``(R, blocks * s_in * s_out)`` (TypedLinear's ``bdd``); one batched GEMM over rows."""
+    n, k_in = x.shape
+    s_in = k_in // blocks
+    s_out = w.shape[1] // (blocks * s_in)
+    wr = w.index_select(0, rel).view(-1, s_in, s_out)
+    return torch.bmm(x.reshape(-1, 1, s_in), wr).view(n, blocks * s_out)

@@ -60,7 +60,7 @@ class GraphCache(dict):
     rest fit. Dropped
     values are recomputed by whoever needs them: a bound on memory, never on correctness."""
 
-    RECOUNT = 8           # stores between two full counts (entries that grew in place)
+    RECOUNT = 64          # stores between two full counts (entries that grew in place)
 
     def __init__(self):
         super().__init__()

@@ -22,6 +22,9 @@ def explain(model, file=None):
         print("granii: this model is not optimized (call granii(model, graph, feats) first)",
               file=out)
     for st in states:
+        if hasattr(st, "explain"):       # relational layers (granii/hetero.py) explain themselves
+            st.explain(lambda *a: print(*a, file=out))
+            continue
         _explain_layer(st, out)
     text = out.getvalue()
     print(text, file=file or sys.stdout, end="")

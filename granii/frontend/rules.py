@@ -447,7 +447,8 @@ def degree_method(d, name, args, kwargs, node):
 def call_function(it, func, args, kwargs, node):
     if isinstance(func, udf.UserFunction):
         return it.call_user(func, args, kwargs, func.name, node)
-    if any(udf._holds_udf(a) for a in list(args) + list(kwargs.values())):
+    if any(udf._holds_udf(a) for a in list(args) + list(kwargs.values())) or (
+            args and isinstance(args[0], Edges) and udf.pure_ref(func, args, kwargs)):
         return udf.call_function(it, func, args, kwargs, node)
     if func is torch.cat and args and isinstance(args[0], (list, tuple)) \
             and any(isinstance(p, Tensor) for p in args[0]):

@@ -21,7 +21,6 @@ as it is; any other result (``nodes.data['h'] + m.sum(1)``) is multiplied by the
 import ast
 import collections
 import dataclasses
-import functools
 import inspect
 import textwrap
 import types
@@ -111,7 +110,7 @@ def _covers(lam, func):
     """The lambda's span holds every source position of ``func``'s code."""
     start, end = (lam.lineno, lam.col_offset), (lam.end_lineno, lam.end_col_offset)
     for line, _, col, end_col in func.__code__.co_positions():
-        if line is None or col is None:
+        if line is None or col is None or end_col <= col:    # no span (the entry instruction)
             continue
         if not (start <= (line, col) and (line, end_col) <= end):
             return False
@@ -181,8 +180,19 @@ def update_all(it, graph, msg, red, node):
         out = {red.out_field: aggregate(it, msgs[red.msg_field], red.name, node)}
     else:
         out = run_reduce(it, graph, user_function(red, node, _REDUCE), msgs, node)
+        edges_guard(it)
     for k, v in out.items():
         graph.frames["dst"][k] = v
+
+
+def edges_guard(it):
+    """On a graph without edges DGL calls no reduce function and writes no field: such a graph
+    runs the original forward."""
+    name = it.func.args.args[1].arg
+    text = (f"assert {name}.num_edges() > 0, 'a reduce function on a graph without edges "
+            "writes no field'")
+    if (text, [name]) not in it.guards:
+        it.guards.append((text, [name]))
 
 
 def apply_edges(it, graph, func, node):
@@ -352,7 +362,7 @@ def _keeps_zero(ref):
     if ref[:1] in (("scale",), ("detach",), ("dropout",)):
         return True
     try:
-        return ref[0] == "function" and ref[1] in _ZERO_AT_ZERO
+        return ref[0] == "function" and getattr(ref[1], "func", ref[1]) in _ZERO_AT_ZERO
     except TypeError:
         return False
 
@@ -540,7 +550,25 @@ def pure_ref(func, args, kwargs):
     if not rest:
         return name, ("function", func)
     shown = [repr(v) for v in args[1:]] + [f"{k}={v!r}" for k, v in kwargs.items()]
-    return f"{name}({', '.join(shown)})", ("function", functools.partial(func, *args[1:], **kwargs))
+    return f"{name}({', '.join(shown)})", ("function", WithArgs(func, args[1:], kwargs))
+
+
+class WithArgs:
+    """``func(x, *args, **kwargs)`` as a function of ``x`` (``F.leaky_relu(x, 0.2)``); equal
+    for equal constants, so equal code lowers to equal IR."""
+
+    def __init__(self, func, args, kwargs):
+        self.func, self.args, self.kwargs = func, tuple(args), tuple(sorted(kwargs.items()))
+
+    def __call__(self, x):
+        return self.func(x, *self.args, **dict(self.kwargs))
+
+    def __eq__(self, other):
+        return isinstance(other, WithArgs) and (self.func, self.args, self.kwargs) == \
+            (other.func, other.args, other.kwargs)
+
+    def __hash__(self):
+        return hash((self.func, self.args, self.kwargs))
 
 
 _ACROSS_ROWS = (_F.normalize, _F.softmax, _F.log_softmax)   # a dim argument may span rows

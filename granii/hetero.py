@@ -399,9 +399,9 @@ def run_plan(plan, idx, lin, x, norm):
                 vals = coeff if vals is None else coeff * vals.reshape(-1, 1)
                 m = idx.move(a, b, fold, B)
                 if fold == "rows":          # (rows B, k) -> (rows, B k)
-                    h = typed.move(m, h, vals.reshape(-1, 1)).reshape(idx.size[b], -1)
+                    h = typed.move(m, h, vals.reshape(-1, 1)).reshape(idx.size[b], B * k_in)
                 else:                       # (cols, B, k) -> (cols B, k) -> (rows, k)
-                    h = typed.move(m, h.reshape(idx.size[a] * B, -1), vals.reshape(-1, 1))
+                    h = typed.move(m, h.reshape(idx.size[a] * B, k_out), vals.reshape(-1, 1))
             else:
                 h = typed.move(idx.move(a, b), h, None if vals is None else vals.reshape(-1, 1))
             cur = b
@@ -429,9 +429,9 @@ def run_plan(plan, idx, lin, x, norm):
             coeff = lin.coeff.index_select(0, idx.rel[cur])                 # (rows, B)
             rows = h.shape[0]
             if _expanded_before(plan):
-                h = (coeff.unsqueeze(2) * h.unsqueeze(1)).reshape(rows, -1)
+                h = (coeff.unsqueeze(2) * h.unsqueeze(1)).reshape(rows, B * k_in)
             else:
-                h = torch.bmm(coeff.unsqueeze(1), h.reshape(rows, B, -1)).reshape(rows, -1)
+                h = torch.bmm(coeff.unsqueeze(1), h.reshape(rows, B, k_out)).reshape(rows, k_out)
     return h
 
 
@@ -719,7 +719,7 @@ def _hetero_original(layer, *args):
 
 
 def _rel_graphs(state, g):
-    """Relation graphs of a full heterograph, built once per graph: ``{etype: graph}``."""
+    """Relation graphs of a heterograph or block, built once per graph: ``{etype: graph}``."""
     hit = state.graphs.get(g)
     if hit is None or hit[0] is not g._graph:
         hit = (g._graph, {})
@@ -743,7 +743,9 @@ def hetero_dispatch(state, layer, g, inputs, mod_args, mod_kwargs):
             inputs, {k: v[: g.number_of_dst_nodes(k)] for k, v in inputs.items()})
     else:
         src_inputs = dst_inputs = inputs
-    cache = None if g.is_block else _rel_graphs(state, g)
+    # relation graphs live as long as g (a backward reads their per-graph structures), and are
+    # built once per graph
+    cache = _rel_graphs(state, g)
     for cet in g.canonical_etypes:
         stype, etype, dtype = cet
         if stype not in src_inputs or (g.is_block or pair) and dtype not in dst_inputs:
@@ -763,7 +765,7 @@ def hetero_dispatch(state, layer, g, inputs, mod_args, mod_kwargs):
             continue
         same = stype == dtype and not pair and (g.is_block or xs is xd)
         if same:
-            rel = g[cet] if cache is None else cache.get((cet, "same"))
+            rel = cache.get((cet, "same"))
             if rel is None:
                 rel = cache[(cet, "same")] = g[cet]
             state.routes[cet] = "one tensor on the relation graph" + (
@@ -771,11 +773,9 @@ def hetero_dispatch(state, layer, g, inputs, mod_args, mod_kwargs):
             outputs[dtype].append(mod(rel, xs, *margs, **mkw))
             continue
         with_dst = kind == "cat"
-        rel = None if cache is None else cache.get((cet, with_dst))
+        rel = cache.get((cet, with_dst))
         if rel is None:
-            rel = _cat_block(g[cet], with_dst)
-            if cache is not None:
-                cache[(cet, with_dst)] = rel
+            rel = cache[(cet, with_dst)] = _cat_block(g[cet], with_dst)
         x = torch.cat([xd, xs]) if with_dst else xs
         state.routes[cet] = ("one tensor cat(x_dst, x_src) on a block" if with_dst
                              else "source features on a block (destination features unread)")

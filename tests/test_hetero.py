@@ -1,0 +1,363 @@
+"""Relational layers: every RelGraphConv composition, and granii on RelGraphConv and
+HeteroGraphConv models, give DGL's outputs and gradients.
+
+Graphs are small generated ones (``granii.hetero_graphs`` at a small scale, and hand-made ones
+with empty relations, one dominant relation, zero in-degree nodes, unsorted edge types, blocks).
+"""
+import copy
+
+import dgl
+import pytest
+import torch
+from dgl.nn.pytorch import GATConv, GraphConv, HeteroGraphConv, RelGraphConv, SAGEConv
+
+from granii import granii, hetero, hetero_graphs
+from granii.kernels import typed
+
+RTOL = 1e-4
+RTOL_GRAD = 3e-4
+R = 9
+
+
+def assert_close(got, want, what, rtol=RTOL):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, DGL {tuple(want.shape)}"
+    assert not (torch.isnan(got) != torch.isnan(want)).any(), f"{what}: NaN mismatch"
+    if not want.numel():
+        return
+    err = (got.double() - want.double()).abs().max().item()
+    tol = 1e-6 + rtol * want.abs().max().item()
+    assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g}"
+
+
+def rel_graph(kind, seed=0):
+    """``(g, etypes)``: relations 2 and 7 empty, relation 1 holding most edges, the last fifth of
+    the nodes without in-edges, edge types unsorted (``sorted``: sorted by type)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, e = 50, 600
+    u = torch.randint(0, n, (e,), generator=gen)
+    v = torch.randint(0, 4 * n // 5, (e,), generator=gen)
+    et = torch.randint(0, R, (e,), generator=gen)
+    et[torch.rand(e, generator=gen) < 0.6] = 1
+    et[(et == 2) | (et == 7)] = 0
+    if kind == "block":
+        g = dgl.create_block((u, v % 20), num_src_nodes=n, num_dst_nodes=20)
+        return g, et
+    if kind == "sorted":
+        order = torch.argsort(et, stable=True)
+        u, v, et = u[order], v[order], et[order]
+    if kind == "empty":
+        return dgl.graph(([], []), num_nodes=n), torch.zeros(0, dtype=torch.long)
+    return dgl.graph((u, v), num_nodes=n), et
+
+
+def make_layer(reg, self_loop=True, seed=0, **kw):
+    torch.manual_seed(seed)
+    nb = {None: None, "basis": 3, "bdd": 2}[reg]
+    return RelGraphConv(8, 6, R, reg, nb, self_loop=self_loop, **kw)
+
+
+def grads(layer, x, out):
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    # a graph without edges leaves some inputs unused: DGL gives no gradient, a plan zeros
+    z = lambda t: torch.zeros_like(t) if t.grad is None else t.grad.clone()
+    gs = {n: z(p) for n, p in layer.named_parameters()}
+    gs["x"] = z(x)
+    layer.zero_grad()
+    x.grad = None
+    return gs
+
+
+# -- every composition, kept and pruned --------------------------------------------------------------
+@pytest.mark.parametrize("reg", [None, "basis", "bdd"])
+@pytest.mark.parametrize("kind", ["unsorted", "block", "empty"])
+def test_every_plan_gives_dgl(reg, kind):
+    g, et = rel_graph(kind)
+    kept, pruned = hetero.plans_for(reg)
+    norm = torch.rand(g.num_edges(), 1) + 0.1
+    for with_norm in (False, True):
+        layer = make_layer(reg, self_loop=kind != "empty")
+        x = torch.randn(g.num_src_nodes(), 8, requires_grad=True)
+        nm = norm if with_norm else None
+        want = layer(g, x, et, nm)
+        want_g = grads(layer, x, want)
+        idx = hetero.relational_index(g, et, R)
+        for plan in list(kept) + list(pruned):
+            out = hetero._rel_run(hetero.RelState("l", layer), plan, idx, layer, g, x, et, nm,
+                                  False, (), {})
+            what = f"{reg} {kind} norm={with_norm} {hetero.plan_name(plan)}"
+            assert_close(out, want, what)
+            got_g = grads(layer, x, out)
+            for n in want_g:
+                assert_close(got_g[n], want_g[n], f"{what}: gradient of {n}", RTOL_GRAD)
+
+
+def test_norm_gradient():
+    g, et = rel_graph("unsorted")
+    layer = make_layer("basis")
+    x = torch.randn(50, 8)
+    norm = (torch.rand(g.num_edges(), 1) + 0.1).requires_grad_()
+    want = layer(g, x, et, norm)
+    (gw,) = torch.autograd.grad(want.sum(), norm)
+    idx = hetero.relational_index(g, et, R)
+    for plan in hetero.plans_for("basis")[0]:
+        out = hetero._rel_run(hetero.RelState("l", layer), plan, idx, layer, g, x, et, norm,
+                              False, (), {})
+        (got,) = torch.autograd.grad(out.sum(), norm)
+        assert_close(got, gw, f"norm gradient, {hetero.plan_name(plan)}", RTOL_GRAD)
+
+
+# -- the enumeration ---------------------------------------------------------------------------------------
+def test_enumeration_and_pruning():
+    for reg, n_all in ((None, 4), ("bdd", 4), ("basis", 4 + 15)):
+        kept, pruned = hetero.plans_for(reg)
+        assert len(kept) + len(pruned) == n_all
+        # the per-edge typed product (DGL's order) never beats the compact (src, rel) one
+        assert pruned[(("W", "2"),)] is not None
+        assert (("W", "1"),) in kept and (("W", "3"),) in kept
+    kept, _ = hetero.plans_for("basis")
+    assert (("V", "0"), ("a", "2")) in kept          # bases before aggregation, folded combine
+    assert (("a", "2"), ("V", "4")) in kept          # bases after aggregation
+
+
+def test_kernel_calls_do_not_grow_with_relations(monkeypatch):
+    calls = []
+    for name in ("move", "segment_gemm"):
+        f = getattr(typed, name)
+        monkeypatch.setattr(typed, name, lambda *a, _f=f, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+    counts = []
+    for rels in (10, 300):
+        gen = torch.Generator().manual_seed(0)
+        g = dgl.graph((torch.randint(0, 200, (3000,), generator=gen),
+                       torch.randint(0, 200, (3000,), generator=gen)), num_nodes=200)
+        et = torch.randint(0, rels, (3000,), generator=gen)
+        layer = RelGraphConv(8, 8, rels, "basis", 4)
+        idx = hetero.relational_index(g, et, rels)
+        per_plan = []
+        for plan in hetero.plans_for("basis")[0]:
+            calls.clear()
+            hetero.run_plan(plan, idx, layer.linear_r, torch.randn(200, 8), None)
+            per_plan.append(len(calls))
+        counts.append(per_plan)
+    assert counts[0] == counts[1] and max(counts[0]) <= 3
+
+
+def test_move_matches_reference():
+    gen = torch.Generator().manual_seed(0)
+    row, col = torch.randint(0, 30, (200,), generator=gen), torch.randint(0, 40, (200,), generator=gen)
+    m = typed.Move(row, col, 30, 40, torch.randperm(200, generator=gen))
+    x = torch.randn(40, 3, 5, dtype=torch.float64, requires_grad=True)
+    val = torch.rand(200, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: typed.move(m, a, b), (x, val))
+    assert_close(typed.move(m, x, val), typed.move_reference(m, x, val), "move")
+
+
+# -- granii on RelGraphConv models --------------------------------------------------------------------------
+class RGCN(torch.nn.Module):
+    def __init__(self, reg, n, presorted=False, dropout=0.0, norm=None, layer_norm=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(n, 8)
+        nb = {None: None, "basis": 3, "bdd": 2}[reg]
+        self.l1 = RelGraphConv(8, 8, R, reg, nb, activation=torch.relu, self_loop=True,
+                               dropout=dropout, layer_norm=layer_norm)
+        self.l2 = RelGraphConv(8, 4, R, reg, nb, self_loop=False)
+        self.presorted, self.norm = presorted, norm
+
+    def forward(self, g, etypes):
+        h = self.l1(g, self.emb.weight, etypes, self.norm, presorted=self.presorted)
+        return self.l2(g, h, etypes, self.norm, presorted=self.presorted)
+
+
+def side_by_side(model, ref, g, et, calls=4, train=True):
+    for m in (model, ref):
+        m.train(train)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=1e-3)
+    for i in range(calls):
+        outs = []
+        for m, o in ((ref, opt_ref), (model, opt)):
+            o.zero_grad()
+            torch.manual_seed(100 + i)
+            out = m(g, et)
+            if train:
+                out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(i)))
+            outs.append(out)
+        assert_close(outs[1], outs[0], f"call {i}")
+        if train:
+            for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+                assert_close(p.grad, q.grad, f"call {i}: gradient of {n}", RTOL_GRAD)
+            opt.step()
+            opt_ref.step()
+
+
+@pytest.mark.parametrize("reg", [None, "basis", "bdd"])
+@pytest.mark.parametrize("presorted", [False, True])
+def test_granii_rgcn_training_and_eval(reg, presorted):
+    g, et = rel_graph("sorted" if presorted else "unsorted", seed=3)
+    norm = torch.rand(g.num_edges(), 1) if reg == "basis" else None
+    model = RGCN(reg, g.num_nodes(), presorted, dropout=0.3, norm=norm, layer_norm=reg == "bdd")
+    ref = copy.deepcopy(model)
+    granii(model, g, et)
+    side_by_side(model, ref, g, et, calls=12)          # covers the measured tie-break
+    side_by_side(model, ref, g, et, calls=2, train=False)
+    text = granii.explain(model, file=open("/dev/null", "w"))
+    assert "<- chosen" in text and "compositions:" in text
+    assert "original forward" not in text.split("measured")[0] or "kept" in text
+
+
+def test_presorted_with_unsorted_types_runs_dgl():
+    g, et = rel_graph("unsorted")
+    model = RGCN(None, g.num_nodes(), presorted=True)
+    ref = copy.deepcopy(model)
+    granii(model, g, et)
+    side_by_side(model, ref, g, et, calls=2)
+    assert "presorted=True with edge types that are not sorted" in granii.explain(
+        model, file=open("/dev/null", "w"))
+
+
+def test_unsupported_input_runs_dgl():
+    g, et = rel_graph("unsorted")
+    layer = make_layer(None)
+    ref = copy.deepcopy(layer)
+    x = torch.randn(50, 8, dtype=torch.float64)
+    granii(layer, g, torch.randn(50, 8), extra_args=(et,))
+    layer.double()
+    ref.double()
+    assert_close(layer(g, x, et), ref(g, x, et), "float64")
+    assert "float32" in granii.explain(layer, file=open("/dev/null", "w"))
+
+
+def test_generated_rgcn_graph():
+    hg = hetero_graphs.generate("aifb", scale=0.05, seed=1)
+    g, et = hetero_graphs.relational(hg, shuffle=True)
+    s = hetero_graphs.stats(g, et)
+    assert s["relations"] == 2 * 45 and s["top5_share"] > 0.2
+    assert 0.05 < s["src_pairs_per_edge"] < 0.9
+    model = RGCN("basis", g.num_nodes())
+    model.l1 = RelGraphConv(8, 8, s["relations"], "basis", 4, self_loop=True)
+    model.l2 = RelGraphConv(8, 4, s["relations"], "basis", 4)
+    ref = copy.deepcopy(model)
+    granii(model, g, et)
+    side_by_side(model, ref, g, et, calls=3)
+
+
+# -- HeteroGraphConv -----------------------------------------------------------------------------------------
+def small_hetero(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda n, m: torch.randint(0, n, (m,), generator=gen)
+    return dgl.heterograph({
+        ("user", "follows", "user"): (r(30, 120), r(25, 120)),       # users 25.. without in-edges
+        ("user", "plays", "game"): (r(30, 90), r(12, 90)),
+        ("game", "played-by", "user"): (r(12, 80), r(30, 80)),
+        ("store", "sells", "game"): (torch.tensor([], dtype=torch.long),
+                                     torch.tensor([], dtype=torch.long)),
+    }, num_nodes_dict={"user": 30, "game": 15, "store": 4, "isolated": 3})
+
+
+def conv(kind, out=4):
+    if kind == "gcn":
+        return GraphConv(8, out, norm="both", allow_zero_in_degree=True)
+    if kind == "sage":
+        return SAGEConv(8, out, "mean")
+    return GATConv(8, out, 1, allow_zero_in_degree=True)
+
+
+class HModel(torch.nn.Module):
+    def __init__(self, kind, agg):
+        super().__init__()
+        torch.manual_seed(0)
+        rels = ["follows", "plays", "played-by", "sells"]
+        self.h = HeteroGraphConv({r: conv(kind) for r in rels}, aggregate=agg)
+
+    def forward(self, g, x):
+        return self.h(g, x)
+
+
+def h_inputs(g, requires_grad=True):
+    gen = torch.Generator().manual_seed(5)
+    return {t: torch.randn(g.num_src_nodes(t), 8, generator=gen).requires_grad_(requires_grad)
+            for t in g.srctypes}
+
+
+def compare_hetero(model, ref, g, x, calls=3, train=True):
+    for m in (model, ref):
+        m.train(train)
+    for i in range(calls):
+        outs = []
+        for m in (ref, model):
+            m.zero_grad()
+            for t in x.values():
+                t.grad = None
+            out = m(g, x)
+            loss = sum((o * torch.randn(o.shape, generator=torch.Generator().manual_seed(j))).sum()
+                       for j, o in enumerate(out[k] for k in sorted(out)))
+            if train:
+                loss.backward()
+            outs.append((out, {n: p.grad.clone() for n, p in m.named_parameters()
+                               if p.grad is not None},
+                         {t: v.grad.clone() for t, v in x.items() if v.grad is not None}))
+        (o_ref, g_ref, x_ref), (o, g_got, x_got) = outs
+        assert sorted(o) == sorted(o_ref)
+        for k in o_ref:
+            assert_close(o[k], o_ref[k], f"call {i}: output {k}")
+        assert sorted(g_got) == sorted(g_ref) and sorted(x_got) == sorted(x_ref)
+        for n in g_ref:
+            assert_close(g_got[n], g_ref[n], f"call {i}: gradient of {n}", RTOL_GRAD)
+        for t in x_ref:
+            assert_close(x_got[t], x_ref[t], f"call {i}: gradient of input {t}", RTOL_GRAD)
+
+
+@pytest.mark.parametrize("kind", ["gcn", "sage", "gat"])
+@pytest.mark.parametrize("agg", ["sum", "mean", "max", "stack"])
+def test_hetero_graphconv(kind, agg):
+    g = small_hetero()
+    model = HModel(kind, agg)
+    ref = copy.deepcopy(model)
+    x = h_inputs(g)
+    granii(model, g, x)
+    compare_hetero(model, ref, g, x)
+    compare_hetero(model, ref, g, x, calls=1, train=False)
+    text = granii.explain(model, file=open("/dev/null", "w"))
+    assert "one tensor on the relation graph" in text
+    assert ("source features on a block" if kind == "gcn" else "cat(x_dst, x_src)") in text
+
+
+def test_hetero_sampled_blocks():
+    g = small_hetero(1)
+    model = HModel("sage", "sum")
+    ref = copy.deepcopy(model)
+    sampler = dgl.dataloading.NeighborSampler([3])
+    feats = h_inputs(g, requires_grad=False)
+    first = None
+    for seed in range(3):
+        torch.manual_seed(seed)
+        _, _, blocks = sampler.sample_blocks(g, {"user": torch.arange(0, 30, 2),
+                                                 "game": torch.arange(0, 15, 3)})
+        b = blocks[0]
+        x = {t: feats[t][b.srcnodes[t].data[dgl.NID]].clone().requires_grad_() for t in b.srctypes}
+        if first is None:
+            granii(model, b, x)
+            first = b
+        compare_hetero(model, ref, b, x, calls=1)
+    assert "(block)" in granii.explain(model, file=open("/dev/null", "w"))
+
+
+def test_hetero_falls_back_where_pair_needed():
+    g = small_hetero()
+    torch.manual_seed(0)
+    model = HeteroGraphConv({"follows": GATConv((8, 8), 4, 1, allow_zero_in_degree=True),
+                             "plays": SAGEConv(8, 4, "mean", feat_drop=0.5),
+                             "played-by": GATConv((8, 8), 4, 1, allow_zero_in_degree=True),
+                             "sells": GraphConv(8, 4, allow_zero_in_degree=True)})
+    ref = copy.deepcopy(model)
+    x = h_inputs(g)
+    granii(model, g, x)
+    for i in range(2):
+        torch.manual_seed(i)
+        out = model(g, x)
+        torch.manual_seed(i)
+        want = ref(g, x)
+        for k in want:
+            assert_close(out[k], want[k], f"{k}")
+    text = granii.explain(model, file=open("/dev/null", "w"))
+    assert "separate weights" in text and "dropout in training" in text

@@ -14,6 +14,7 @@ import dgl.function as fn
 import pytest
 import torch
 import torch.nn.functional as F
+from dgl.nn import APPNPConv, GCN2Conv, SAGEConv
 from dgl.nn.functional import edge_softmax
 from torch import nn
 
@@ -407,3 +408,66 @@ def test_reduce_on_a_graph_without_edges_runs_as_written():
     xe = features(empty, 12)
     torch.testing.assert_close(layer(empty, xe), ref(empty, xe))
     torch.testing.assert_close(layer(g, x), ref(g, x))
+
+
+# -- DGL layers whose forward needed more than the IR's built-ins ----------------------------------
+@pytest.mark.parametrize("graph_kind", list(GRAPHS))
+@pytest.mark.parametrize("project", [True, False])
+def test_gcn2conv_every_plan_matches_dgl(project, graph_kind):
+    """GCN2Conv's second tensor argument feat_0 (sliced to the graph's rows) is node data."""
+    g = GRAPHS[graph_kind]()
+    x, x0 = features(g, 6).requires_grad_(), features(g, 6, seed=2).requires_grad_()
+    torch.manual_seed(0)
+    layer = GCN2Conv(6, 2, alpha=0.2, lambda_=1.0, project_initial_features=project,
+                     allow_zero_in_degree=True, activation=torch.relu)
+    assert check_all_plans(layer, (g, x, x0), {}, [x, x0] + list(layer.parameters())) >= 1
+
+
+def test_gcn2conv_with_a_longer_feat_0_runs_as_written():
+    g = GRAPHS["undirected"]()
+    x, x0 = features(g, 6), features(g, 6, seed=2)
+    layer = GCN2Conv(6, 1, alpha=0.1, lambda_=1.0)
+    ref = copy.deepcopy(layer)
+    granii(layer, g, x, extra_args=(x0,))
+    longer = torch.cat([x0, x0[:5]])
+    torch.testing.assert_close(layer(g, x, longer), ref(g, x, longer))
+    torch.testing.assert_close(layer(g, x, x0), ref(g, x, x0))
+    text = granii.explain(layer, file=io.StringIO())
+    assert "tensor argument 'feat_0'" in text and "<- chosen" in text
+
+
+@pytest.mark.parametrize("graph_kind", list(GRAPHS))
+def test_appnpconv_every_plan_matches_dgl(graph_kind):
+    """APPNPConv's per-edge ones times the adjacency is the adjacency."""
+    g = GRAPHS[graph_kind]()
+    x = features(g, 6).requires_grad_()
+    layer = APPNPConv(3, 0.1, edge_drop=0.5).eval()      # edge dropout is the identity in eval
+    assert check_all_plans(layer, (g, x), {}, [x]) >= 1
+
+
+def test_appnpconv_edge_dropout_in_training_runs_as_written():
+    g = GRAPHS["undirected"]()
+    x = features(g, 6)
+    layer = APPNPConv(2, 0.1, edge_drop=0.5)
+    ref = copy.deepcopy(layer)
+    granii(layer, g, x)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        out = layer(g, x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(out, ref(g, x))
+    assert "a function of per-edge ones" in granii.explain(layer, file=io.StringIO())
+    layer.eval()
+    ref.eval()
+    torch.testing.assert_close(layer(g, x), ref(g, x))
+    assert layer_states(layer)[0].fallback is None
+
+
+def test_sage_gcn_aggregator_falls_back_with_its_reason():
+    g = GRAPHS["undirected"]()
+    x = features(g, 6)
+    layer = SAGEConv(6, 3, "gcn")
+    ref = copy.deepcopy(layer)
+    granii(layer, g, x)
+    torch.testing.assert_close(layer(g, x), ref(g, x))
+    assert "degrees plus a number" in granii.explain(layer, file=io.StringIO())

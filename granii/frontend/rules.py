@@ -11,6 +11,7 @@
     x + y                               ->  Add(x, y)
     f(x) for any other callable f       ->  Apply(f, x): a barrier (activations, dropout, ...)
 """
+import ast
 import dataclasses
 import inspect
 
@@ -102,6 +103,14 @@ def symbolic_index(it, obj, key, node):
             return obj
         sel = it.leaf("S_dst", it.n_dst, it.n_src, ir.SPARSE, ir.SELECTION, ("select",))
         return Tensor(ir.matmul(sel, obj.node), obj.ndim)
+    if (isinstance(obj, Tensor) and isinstance(key, slice) and key.start is None
+            and key.step is None and isinstance(key.stop, GraphCondition)
+            and key.stop.text.startswith("rows:")):
+        rows = key.stop.text[len("rows:"):]
+        if obj.node.rows == rows:
+            return obj             # x[:y.size(0)] with x and y of the same rows
+        if _unshaped_arg(obj.node) is not None:
+            return Tensor(shape_arg(it, obj.node, rows, node), 2)
     fail(node, "indexing of a tensor", "row slices and gathers are not lowered")
 
 
@@ -127,6 +136,9 @@ def _is_param(node):
 
 
 def edge_node(it, e, node):
+    if e.ones:
+        fail(node, "a function of per-edge ones (edge dropout of them in training)", "the IR "
+             "has no leaf of ones to apply it to")
     if e.node is None:
         fail(node, "arithmetic on edge values given as an argument", "not lowered")
     return e.node
@@ -192,7 +204,9 @@ def update_all(it, graph, msg, red, node):
         w = frame_get(Frame(graph, "edge"), efield, it, node)
         if not isinstance(w, Edges):
             fail(node, f"u_mul_e with edge field '{efield}'", "the field holds no edge values")
-        if w.node is not None:
+        if w.ones:
+            adj = it.leaf("A", it.n_dst, it.n_src, ir.SPARSE, ir.UNWEIGHTED, ("graph",))
+        elif w.node is not None:
             heads = it.heads[0] if x.ndim == 3 and it.heads else 1
             adj = ir.SparseEdges(w.node, it.n_dst, it.n_src, heads, x.node.cols)
         else:
@@ -304,7 +318,11 @@ def binop(it, op, a, b, node):
         return GraphCondition("expression")
     if op == "Add" and isinstance(a, Tensor) and isinstance(b, Tensor):
         an, bn = a.node, b.node
-        if isinstance(bn, ir.Leaf) and bn.rows is None:
+        if _unshaped_arg(an) is not None and _unshaped_arg(bn) is None:
+            an = _shape_for_add(it, an, bn, node)
+        elif _unshaped_arg(bn) is not None:
+            bn = _shape_for_add(it, bn, an, node)
+        elif isinstance(bn, ir.Leaf) and bn.rows is None:
             bn = dataclasses.replace(bn, rows="1", cols=an.cols)
             it.leaves[bn.name] = bn
         return Tensor(ir.Add(an, bn), max(a.ndim, b.ndim))
@@ -319,6 +337,63 @@ def binop(it, op, a, b, node):
     if op == "Mult" and isinstance(b, Tensor) and isinstance(a, (int, float)):
         return scale(it, b, float(a), node)
     fail(node, f"operator {op} on {type(a).__name__} and {type(b).__name__}", "not lowered")
+
+
+def _unshaped_arg(n):
+    """The forward() argument of unknown shape that ``n`` is, or scales; else ``None``."""
+    while isinstance(n, ir.Apply) and n.ref[:1] == ("scale",):
+        n = n.x
+    if isinstance(n, ir.Leaf) and n.source[0] == "arg" and n.rows is None:
+        return n
+    return None
+
+
+def _shape_for_add(it, n, other, node):
+    """``n`` (an argument, maybe scaled) added to ``other``: node data shaped like ``other`` when
+    the call's argument has more than one row (``GCN2Conv``'s ``feat_0``), else a broadcast row
+    (a bias)."""
+    leaf = _unshaped_arg(n)
+    value = it.real.get(leaf.source[1])
+    if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] != 1:
+        return shape_arg(it, n, other.rows, node, other.cols)
+    if n is not leaf:
+        fail(node, f"sum with a scaled argument '{leaf.source[1]}'", "of unknown shape")
+    fixed = dataclasses.replace(leaf, rows="1", cols=other.cols)
+    it.leaves[fixed.name] = fixed
+    return fixed
+
+
+def shape_arg(it, n, rows, node, cols=None):
+    """``n`` with its argument of unknown shape made ``rows`` x ``cols`` node data (``cols``:
+    ``k_in`` when as wide as the features, else its own symbol). The plan holds for calls where
+    the argument has one row per node of ``rows`` and that width (a specialisation); for this
+    call's argument, if it has not, the frontend stops."""
+    leaf = _unshaped_arg(n)
+    name = leaf.source[1]
+    if rows not in ("N", "N_src", "N_dst"):
+        fail(node, f"tensor argument '{name}'", f"used with a tensor of {rows} rows")
+    count = "num_dst_nodes" if rows == "N_dst" else "num_src_nodes"
+    graph, feat = it.func.args.args[1].arg, it.func.args.args[2].arg
+    text = f"{name}.dim() == 2 and {name}.shape[0] == {graph}.{count}()"
+    if cols is not None:        # summed with a tensor of that width: no broadcast of one column
+        text += f" and {name}.shape[1] != 1"
+    else:
+        value, x = it.real.get(name), it.real.get(feat)
+        same = getattr(value, "shape", (0, 0))[-1:] == getattr(x, "shape", (0, 1))[-1:]
+        cols = "k_in" if same else f"k_{name}"
+        text += f" and {name}.shape[-1] {'==' if same else '!='} {feat}.shape[-1]"
+    if not it.specialize(ast.parse(text, mode="eval").body):
+        fail(node, f"tensor argument '{name}'", f"not of one row per node ({rows}) or of one "
+             "column; row slices and broadcasts of it are not lowered")
+    shaped = dataclasses.replace(leaf, rows=rows, cols=cols, sub=ir.DATA)
+    it.leaves[shaped.name] = shaped
+    return _with_leaf(n, leaf, shaped)
+
+
+def _with_leaf(n, old, new):
+    if n == old:
+        return new
+    return ir.with_children(n, [_with_leaf(c, old, new) for c in ir.children(n)])
 
 
 def scalar_arith(it, op, a, b, node):
@@ -354,6 +429,10 @@ def degree_arith(it, op, a, b, node):
         return dataclasses.replace(b, power=-b.power)
     if op == "Pow" and isinstance(a, Degrees) and isinstance(b, (int, float)):
         return dataclasses.replace(a, power=a.power * b)
+    if op in ("Add", "Sub") and isinstance(a if isinstance(b, Degrees) else b, (int, float)):
+        fail(node, f"degrees {'plus' if op == 'Add' else 'minus'} a number (e.g. "
+             "graph.in_degrees() + 1)", "the IR's degree leaves are powers of degrees clamped "
+             "below, (max(deg, c))^p; a shifted degree is not one")
     fail(node, f"operator {op} on degrees", "not lowered")
 
 
@@ -398,6 +477,8 @@ def call_method(it, m, args, kwargs, node):
         if name in ("tile", "transpose") and _is_arg(obj.node):
             return Edges(arg=obj.node.source[1])
         if name == "size":
+            if args == [0] and obj.node.rows is not None:
+                return GraphCondition(f"rows:{obj.node.rows}")
             return GraphCondition("size")
     if isinstance(obj, Edges) and name == "detach":
         if obj.node is None:
@@ -506,9 +587,17 @@ def call_function(it, func, args, kwargs, node):
         label, ref = _callable_ref(it, func)
         pure = ref[0] in ("function", "attr") and _known_pure(func)
         return Tensor(apply(it, label, args[0].node, ref, pure), args[0].ndim)
+    if func is torch.ones and _per_edge(args) and not kwargs:
+        return Edges(ones=True)
     if isinstance(args[0], GraphCondition):
         return GraphCondition(name)
     fail(node, f"call of {modname}.{name}", "with symbolic arguments; not lowered")
+
+
+def _per_edge(shape):
+    """``shape`` is ``(graph.num_edges(),)`` or ``(graph.num_edges(), 1)``."""
+    return (len(shape) in (1, 2) and isinstance(shape[0], GraphCondition)
+            and shape[0].text in ("num_edges", "number_of_edges") and tuple(shape[1:]) in ((), (1,)))
 
 
 _CONTAINER_BUILTINS = (len, list, tuple, zip, enumerate, reversed, range, dict)

@@ -278,7 +278,7 @@ def _impure_since(node, sites):
 def adjacency(it, msg):
     """The sparse operand of ``msg``'s aggregation: ``A``, ``A_w`` or ``A[e]``."""
     w, x = msg.w, msg.x
-    if w is None:
+    if w is None or w.ones:
         return it.leaf("A", it.n_dst, it.n_src, ir.SPARSE, ir.UNWEIGHTED, ("graph",))
     if w.node is not None:
         heads = it.heads[0] if x.ndim == 3 and it.heads else 1
@@ -302,7 +302,7 @@ def aggregate(it, msg, how, node):
         out = ir.matmul(adjacency(it, msg), x.node)
     elif how == "mean":
         out = ir.matmul(Degrees("in", -1.0, 1.0).leaf(it.n_dst), adjacency(it, msg), x.node)
-    elif how == "max" and msg.w is None and msg.c > 0:
+    elif how == "max" and (msg.w is None or msg.w.ones) and msg.c > 0:
         out = ir.Aggregate("spmm_max", x.node)
     else:
         weighted = " of edge-weighted messages" if msg.w is not None else ""

@@ -39,9 +39,11 @@ class Tensor:
 
 @dataclass
 class Edges:
-    """Per-edge values: the forward() argument ``arg``, or scores ``node`` computed from features."""
+    """Per-edge values: the forward() argument ``arg``, scores ``node`` computed from features,
+    or ``ones`` (``torch.ones(graph.num_edges(), 1)``: a product by them is the adjacency)."""
     arg: str = None
     node: object = None
+    ones: bool = False
 
 
 @dataclass

@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from granii.dispatch import leaf_vals_order, new_state, prepare  # noqa: E402
+from granii.dispatch import every_plan, leaf_vals_order, new_state, prepare  # noqa: E402
 from granii.costmodel import AnalyticalCost  # noqa: E402
 from granii.datasets import GRAPHS, load_graph  # noqa: E402
 from granii.fingerprint import fingerprint_id, machine_fingerprint  # noqa: E402
@@ -590,13 +590,16 @@ def prepared(layer, g, k_in, mode):
     return call, feat
 
 
-def candidates(call):
+def candidates(call, pruned=False):
     """``{(plan index, implementations): plan, impls}`` the selector chooses among (the plans of
-    the call's scenario, every combination of kernel implementations of their every-call steps)."""
+    the call's scenario, every combination of kernel implementations of their every-call steps).
+    ``pruned``: every plan of every enumerated tree, of any scenario, pruned or not (what the
+    oracle of the regret is taken over)."""
     scen = scenario(call.symbols)
     out = {}
-    for plan in call.compiled.plans:
-        if scen is not None and scen not in plan.scenarios:
+    plans = every_plan(call.compiled) if pruned else call.compiled.plans
+    for plan in plans:
+        if not pruned and scen is not None and scen not in plan.scenarios:
             continue
         for impls in itertools.product(*(_impl_options(s) for s in plan.steps)):
             out[(plan.index, impls)] = (plan, impls)
@@ -606,7 +609,7 @@ def candidates(call):
 def candidate_fns(call, layer, feat, mode):
     fns = {}
     params = [p for p in layer.parameters() if p.requires_grad]
-    for key, (plan, impls) in candidates(call).items():
+    for key, (plan, impls) in candidates(call, pruned=True).items():
         fn, _ = compile_plan(plan, impls)
         args = _lead_args(fn, call) + [call.leaf_vals[v] for v in leaf_vals_order(plan)]
         if mode == "train":
@@ -680,7 +683,7 @@ def measure_layers(graphs, layers, sizes, modes, probe, wait, log, out_path, thr
             call, feat = prepared(layer, g, k_in, mode)
             fns = candidate_fns(call, layer, feat, mode)
             if lname == "GAT":
-                fns = {k: fns[k] for k in gat_subset(candidates(call))}
+                fns = {k: fns[k] for k in gat_subset(candidates(call, pruned=True))}
             fns = {_key_text(k): f for k, f in fns.items()}
             params = [p for p in layer.parameters() if p.requires_grad]
             if mode == "train":

@@ -1,0 +1,217 @@
+"""granii's per-input choice against fixed rules fitted on other graphs (leave one graph out).
+
+    python -m scripts.selection_rules [--threads 2] [--metric min_times]
+
+Reads the candidate timings of ``python -m scripts.validate_costmodels selection --measure``
+(``results/costmodels/selection_times.jsonl``: for each layer, graph, size pair and mode, every
+candidate plan with every kernel implementation, pruned plans included, and DGL's own layer, timed
+side by side). For each configuration the *oracle* is the fastest of all of them, and
+
+    regret(rule) = time(plan the rule picks) / time(oracle)
+
+Rules, each fitted without the graph it is scored on (leave one graph out):
+
+* ``granii``      the plan granii's cost model ranks first for this input (no fitting);
+* ``per model``   one plan per (layer, mode): the lowest geometric-mean regret on the other graphs;
+* ``per sizes``   one plan per (layer, mode, k_in, k_out), fitted the same way;
+* ``nearest graph`` the plan fastest on the other graph closest in edge count (same layer, mode, sizes);
+* ``DGL layer``   DGL's own layer, always.
+
+A rule's plan that was not timed on a configuration (it failed there) counts as the worst timed
+candidate. Writes ``selection_rules_<threads>t.md`` (summary per layer and mode, how often the
+fastest candidate was a plan pruning removed, and a map of granii's choices over graphs and sizes)
+and ``selection_rules_<threads>t.csv``.
+"""
+import argparse
+import csv
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from granii.datasets import load_graph  # noqa: E402
+from granii.learned import default_cost_model  # noqa: E402
+from granii.select import rank  # noqa: E402
+from scripts.validate_costmodels import _canonical, _key_text, make_layer, prepared  # noqa: E402
+
+DGL = "dgl-layer"
+RULES = ("granii", "per model", "per sizes", "nearest graph", "DGL layer")
+
+
+def geomean(xs):
+    xs = [x for x in xs if x == x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def load_rows(path, threads, metric):
+    rows = {}
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if r["threads"] != threads:
+            continue
+        r["t"] = r[metric]
+        rows[(r["layer"], r["graph"], r["k_in"], r["k_out"], r["mode"])] = r
+    return list(rows.values())
+
+
+def time_of(row, key):
+    """Seconds of candidate ``key`` on ``row``; the worst timed candidate if it was not timed."""
+    t = row["t"]
+    return t.get(key, max(t.values()))
+
+
+def oracle(row):
+    return min(row["t"].values())
+
+
+def fit(rows, score_rows=None):
+    """The candidate key with the lowest geometric-mean regret over ``rows`` (among keys timed on
+    all of them)."""
+    if not rows:
+        return None
+    keys = set.intersection(*(set(r["t"]) for r in rows)) - {DGL}
+    if not keys:
+        keys = set(rows[0]["t"]) - {DGL}
+    return min(sorted(keys), key=lambda k: geomean([time_of(r, k) / oracle(r) for r in rows]))
+
+
+def granii_choices(rows, model):
+    """``{row id: key}``: the candidate granii's selector ranks first for each configuration."""
+    graphs, out = {}, {}
+    for r in rows:
+        g = graphs.get(r["graph"])
+        if g is None:
+            g = graphs[r["graph"]] = load_graph(r["graph"])
+        layer = make_layer(r["layer"], r["k_in"], r["k_out"])
+        call, _ = prepared(layer, g, r["k_in"], r["mode"])
+        training = r["mode"] == "train"
+        c = rank(call.compiled.plans, call.gi, call.symbols, model, training=training,
+                 input_grad=training)[0]
+        out[id(r)] = (_key_text((c.plan.index, _canonical(c.plan, c.impls))),
+                      f"{c.plan.index}: {c.plan.composition()} "
+                      f"[{','.join(sorted({i for i in c.impls if i != 'inline'}))}]")
+    return out
+
+
+def evaluate(rows, model):
+    """One record per configuration: each rule's regret and the oracle's kind."""
+    edges = {g: load_graph(g).num_edges() for g in {r["graph"] for r in rows}}
+    chosen = granii_choices(rows, model)
+    out = []
+    for r in rows:
+        others = [o for o in rows if o["graph"] != r["graph"] and o["layer"] == r["layer"]
+                  and o["mode"] == r["mode"]]
+        same_sizes = [o for o in others if (o["k_in"], o["k_out"]) == (r["k_in"], r["k_out"])]
+        near = None
+        if same_sizes:
+            near_graph = min({o["graph"] for o in same_sizes},
+                             key=lambda g: abs(math.log(edges[g]) - math.log(edges[r["graph"]])))
+            near_row = next(o for o in same_sizes if o["graph"] == near_graph)
+            near = min((k for k in near_row["t"] if k != DGL), key=near_row["t"].get)
+        picks = {"granii": chosen[id(r)][0], "per model": fit(others),
+                 "per sizes": fit(same_sizes), "nearest graph": near, "DGL layer": DGL}
+        best = min(r["t"], key=r["t"].get)
+        rec = {k: r[k] for k in ("layer", "graph", "k_in", "k_out", "mode")}
+        rec.update(oracle=best, oracle_pruned=best.startswith("p"), granii_plan=chosen[id(r)][1],
+                   candidates=len(r["t"]))
+        for rule, key in picks.items():
+            rec[rule] = time_of(r, key) / oracle(r) if key is not None else float("nan")
+        out.append(rec)
+    return out
+
+
+def summary_lines(recs):
+    groups = {}
+    for e in recs:
+        groups.setdefault((e["layer"], e["mode"]), []).append(e)
+    head = "| layer | mode | n | " + " | ".join(f"{r} geomean / worst" for r in RULES) + \
+        " | fastest was pruned |"
+    lines = [head, "|---|---|---:|" + "---:|" * len(RULES) + "---:|"]
+    for (layer, mode), es in sorted(groups.items()) + [(("**all**", ""), recs)]:
+        cells = []
+        for rule in RULES:
+            v = [e[rule] for e in es if e[rule] == e[rule]]
+            cells.append(f"{geomean(v):.3f} / {max(v):.2f}" if v else "-")
+        pruned = sum(e["oracle_pruned"] for e in es)
+        lines.append(f"| {layer} | {mode} | {len(es)} | " + " | ".join(cells) +
+                     f" | {pruned}/{len(es)} |")
+    return lines
+
+
+def versus_lines(recs):
+    """Per layer and mode: is granii within 2% of every fixed rule (geomean), and where better."""
+    groups = {}
+    for e in recs:
+        groups.setdefault((e["layer"], e["mode"]), []).append(e)
+    lines = ["| layer | mode | granii / best fixed rule (geomean) | within 2% of every rule |",
+             "|---|---|---:|---|"]
+    for (layer, mode), es in sorted(groups.items()):
+        g = geomean([e["granii"] for e in es])
+        best = min(geomean([e[r] for e in es]) for r in RULES[1:])
+        lines.append(f"| {layer} | {mode} | {g / best:.3f} | {'yes' if g <= 1.02 * best else 'no'} |")
+    return lines
+
+
+def map_lines(recs):
+    """granii's chosen plan per graph (rows) and size pair (columns), one table per layer/mode."""
+    lines = []
+    groups = {}
+    for e in recs:
+        groups.setdefault((e["layer"], e["mode"]), []).append(e)
+    for (layer, mode), es in sorted(groups.items()):
+        sizes = sorted({(e["k_in"], e["k_out"]) for e in es})
+        graphs = sorted({e["graph"] for e in es})
+        cell = {(e["graph"], e["k_in"], e["k_out"]): e for e in es}
+        lines += ["", f"#### {layer}, {mode}", "",
+                  "| graph | " + " | ".join(f"{a}→{b}" for a, b in sizes) + " |",
+                  "|---|" + "---|" * len(sizes)]
+        for g in graphs:
+            row = []
+            for a, b in sizes:
+                e = cell.get((g, a, b))
+                row.append("-" if e is None else f"{e['granii_plan']} ({e['granii']:.2f})")
+            lines.append(f"| {g} | " + " | ".join(row) + " |")
+    return lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--metric", default="min_times", choices=("min_times", "times", "cpu_times"))
+    ap.add_argument("--times", type=Path, default=ROOT / "results/costmodels/selection_times.jsonl")
+    ap.add_argument("--out", type=Path, default=ROOT / "results/costmodels")
+    args = ap.parse_args(argv)
+    import torch
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    rows = load_rows(args.times, args.threads, args.metric)
+    model = default_cost_model()
+    recs = evaluate(rows, model)
+    name = f"selection_rules_{args.threads}t"
+    with open(args.out / f"{name}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(recs[0]))
+        w.writeheader()
+        w.writerows(recs)
+    lines = [f"# Plan choice against fixed rules ({args.threads} thread"
+             f"{'s' if args.threads > 1 else ''}, {args.metric})", "",
+             f"Generated by `python -m scripts.selection_rules --threads {args.threads} --metric "
+             f"{args.metric}` from `{args.times.relative_to(ROOT)}` ({len(recs)} configurations; "
+             f"cost model: {model.name}). Regret = time of the rule's plan / time of the fastest of "
+             "every enumerated plan (pruned ones too) with every kernel implementation and DGL's "
+             "own layer. Fixed rules are fitted on the other graphs (leave one graph out).", ""]
+    lines += summary_lines(recs) + ["", "### granii against the best fixed rule", ""]
+    lines += versus_lines(recs) + ["", "### Decision map: granii's plan (its regret)"]
+    lines += map_lines(recs)
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:40]))
+
+
+if __name__ == "__main__":
+    main()

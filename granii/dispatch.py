@@ -570,6 +570,24 @@ def compile_layer(module, present, is_block, real=None):
     return Compiled(lir, n_trees, promoted, leaves, n_promoted, binary_orders(lir.root))
 
 
+def every_plan(compiled):
+    """Every association tree of a compiled layer as a plan, pruned or not (pruned ones indexed
+    ``p<i>``), with their fused variants: for measuring what pruning removed. The promoted plans
+    come first, as in ``compiled.plans``."""
+    lir = compiled.layer_ir
+    forest, _ = layer_forest(lir.root)
+    seen = {(p.composition(), str(p.choice)) for p in compiled.plans}
+    extra = []
+    for i, (root, choice) in enumerate(forest):
+        plan = fuse_gemm_add(lower(f"p{i}", root, choice, (), heads=lir.heads))
+        if (plan.composition(), str(plan.choice)) in seen:
+            continue
+        seen.add((plan.composition(), str(plan.choice)))
+        extra.append(plan)
+    extra += [f for plan in extra for f in fused_variants(plan)]
+    return list(compiled.plans) + extra
+
+
 def _failure(stage, e):
     return FrontendError(f"an error in {stage}", f"{type(e).__name__}: {e} (the original "
                          "forward runs; please report this)")

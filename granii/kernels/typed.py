@@ -117,7 +117,51 @@ def segment_gemm(x, w, seglen):
     on the CPU); ``x`` ``(rows, k_in)``, ``w`` ``(R, k_in, k_out)``."""
     if x.shape[0] == 0:
         return x.new_zeros(0, w.shape[2]) + 0 * w.sum()
-    return dgl.ops.segment_mm(x, w, seglen)
+    return _SegmentGemm.apply(x, w, seglen)
+
+
+class _SegmentGemm(torch.autograd.Function):
+    """Forward and ``dX = dY W_r^T`` by ``dgl.ops.segment_mm``; ``dW_r = X_r^T dY_r`` as one move
+    (``_weight_grad_move``): DGL's own weight gradient loops over rows and was measured 20x
+    slower than its forward."""
+
+    @staticmethod
+    def forward(ctx, x, w, seglen):
+        ctx.save_for_backward(x, w, seglen)
+        return dgl.ops.segment_mm(x, w, seglen)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, seglen = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = segment_gemm(dy, w.transpose(1, 2).contiguous(), seglen)
+        if ctx.needs_input_grad[1]:
+            r, k_in, k_out = w.shape
+            m = _weight_grad_move(seglen, k_in)
+            dw = move(m, dy, x.reshape(-1, 1)).reshape(r, k_in, k_out)
+        return dx, dw, None
+
+
+_DW_MOVES = {}
+
+
+def _weight_grad_move(seglen, k_in):
+    """``M`` with ``M[(r, a), i] = X[i, a]`` for row ``i`` of segment ``r``: ``M dY`` stacks
+    ``X_r^T dY_r`` for every relation (values: ``X`` flattened, read by index ``i k_in + a``)."""
+    key = (tuple(seglen.tolist()), k_in)
+    m = _DW_MOVES.get(key)
+    if m is None:
+        if len(_DW_MOVES) > 64:
+            _DW_MOVES.clear()
+        n = int(seglen.sum())
+        rel = torch.repeat_interleave(torch.arange(seglen.numel()), seglen)
+        a = torch.arange(k_in)
+        row = (rel.reshape(-1, 1) * k_in + a).reshape(-1)
+        col = torch.arange(n).repeat_interleave(k_in)
+        m = _DW_MOVES[key] = Move(row, col, seglen.numel() * k_in, n, torch.arange(n * k_in))
+    return m
 
 
 def rowwise_bdd(x, w, rel, blocks):

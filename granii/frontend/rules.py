@@ -10,6 +10,7 @@
     linear(x) (nn.Linear)               ->  x . W^T + b
     x + y                               ->  Add(x, y)
     f(x) for any other callable f       ->  Apply(f, x): a barrier (activations, dropout, ...)
+    update_all / apply_edges with Python (user-defined) functions: ``udf.py``
 """
 import ast
 import dataclasses

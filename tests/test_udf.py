@@ -372,8 +372,22 @@ class BranchingReduce(GeluMailbox):
             return g.ndata["h"]
 
 
+class DotScores(GeluMailbox):
+    """Edge scores by a dot product of source and destination features (u_dot_v)."""
+
+    def forward(self, g, h):
+        with g.local_scope():
+            g.ndata["h"] = self.lin(h)
+            g.apply_edges(lambda e: {"s": (e.src["h"] * e.dst["h"]).sum(-1, keepdim=True)})
+            g.edata["a"] = edge_softmax(g, g.edata["s"])
+            g.update_all(fn.u_mul_e("h", "a", "m"), fn.sum("m", "h"))
+            return g.ndata["h"]
+
+
 @pytest.mark.parametrize("layer,reason", [
     (GeluMailbox, "gelu() of a mailbox (line 1 of reduce function '<lambda>')"),
+    (DotScores, "product of source and destination values (line 1 of apply-edges function "
+                "'<lambda>')"),
     (BranchingReduce, "branch on 'm.shape[1] > 3' (line 3 of reduce function "
                       "'bucket_dependent_reduce')"),
 ])

@@ -412,6 +412,9 @@ def binop(it, op, a, b, node):
         a, b = b, a
     if op == "Add" and isinstance(a, DstValue) and isinstance(b, Message):
         a, b = b, a
+    if op == "Mult" and (isinstance(a, DstValue) or isinstance(b, DstValue)):
+        fail(node, "product of source and destination values", "dot products and other "
+             "u_mul_v messages are not in the IR")
     if isinstance(a, Message):
         if op == "Mult":
             return message_times(it, a, b, node)
@@ -428,9 +431,6 @@ def binop(it, op, a, b, node):
         return Mailbox(message_times(it, a.msg, b if op == "Mult" else 1.0 / b, node))
     if isinstance(a, (int, float)) and isinstance(b, Mailbox) and op == "Mult":
         return Mailbox(message_times(it, b.msg, a, node))
-    if op == "Mult" and (isinstance(a, DstValue) or isinstance(b, DstValue)):
-        fail(node, "product of source and destination values", "dot products and other "
-             "u_mul_v messages are not in the IR")
     fail(node, f"operator {op} on {kind_of(a)} and {kind_of(b)}", "not lowered")
 
 

@@ -100,6 +100,8 @@ class RelIndex:
                     "2": r[order], "3": pd // max(nd, 1)}
         self.seglen = {s: torch.bincount(t, minlength=R)[:R].long() for s, t in self.rel.items()}
         self.r = r
+        self.u, self.v, self.order = u, v, order
+        self.node = {"1": ps % max(ns, 1), "3": pd % max(nd, 1)}   # the node of each pair
         self._moves = {}
         self.checks = {}
         self.decisions = weakref.WeakKeyDictionary()          # layer state -> {call key: ...}
@@ -785,9 +787,15 @@ def hetero_dispatch(state, layer, g, inputs, mod_args, mod_kwargs):
 
 # -- wrapping ------------------------------------------------------------------------------------------
 def dispatcher_class(layer):
-    """The dispatcher for a GNN layer ``granii`` wraps: ``RelDispatcher`` for RelGraphConv."""
-    from dgl.nn.pytorch import RelGraphConv
-    return RelDispatcher if isinstance(layer, RelGraphConv) else Dispatcher
+    """The dispatcher for a GNN layer ``granii`` wraps: ``RelDispatcher`` for RelGraphConv,
+    ``hetero_hgt.HGTDispatcher`` for HGTConv, else the homogeneous one."""
+    from dgl.nn.pytorch import HGTConv, RelGraphConv
+    if isinstance(layer, RelGraphConv):
+        return RelDispatcher
+    if isinstance(layer, HGTConv):
+        from .hetero_hgt import HGTDispatcher
+        return HGTDispatcher
+    return Dispatcher
 
 
 def wrap_containers(model, options):

@@ -152,18 +152,24 @@ def main(argv=None):
                         "plans": ";".join(f"{c[5:]}={t * 1e3:.2f}" for c, t in med.items()
                                           if c.startswith("plan ")),
                     })
+                    save(rows, a.out, load0, None, time.time() - t_start)
                     log(f"    granii {med['granii'] * 1e3:.2f} ms ({chosen}); DGL "
                         f"{med['dgl presorted=False'] * 1e3:.2f} / "
                         f"{med['dgl presorted=True'] * 1e3:.2f} ms; oracle {best} "
                         f"{med[best] * 1e3:.2f} ms")
     load1 = _load()
     log(f"load average (1 min) at end: {load1:.2f}")
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "hetero.csv"), "w", newline="") as f:
+    save(rows, a.out, load0, load1, time.time() - t_start)
+
+
+def save(rows, out, load0, load1, seconds):
+    """Write the CSV and the report (after every case, so a stopped run keeps its results)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "hetero.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    write_md(rows, os.path.join(a.out, "hetero.md"), load0, load1, time.time() - t_start)
+    write_md(rows, os.path.join(out, "hetero.md"), load0, load1, seconds)
 
 
 def write_md(rows, path, load0, load1, seconds):
@@ -175,7 +181,9 @@ def write_md(rows, path, load0, load1, seconds):
         "inverse), by `granii/hetero_graphs.py` -- not the real datasets. One RelGraphConv layer",
         "(k_in = k_out = k, self-loop), learned node embeddings as input. `python -m bench.hetero`;",
         f"2 torch threads, medians of interleaved rounds; {seconds / 60:.1f} min; 1-minute load",
-        f"average {load0:.2f} at the start and {load1:.2f} at the end (other work on the 2-core",
+        f"average {load0:.2f} at the start and "
+        + (f"{load1:.2f} at the end" if load1 is not None else "(run not finished)")
+        + " (other work on the 2-core",
         "machine: absolute times are inflated, ratios within a round are comparable).",
         "",
         "`infer`: no gradients, new features every call. `train`: forward + backward. Times in ms.",

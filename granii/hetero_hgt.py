@@ -190,7 +190,7 @@ def _explain_decision(self, p, name):
         p("  kept DGL's forward (measured fastest)")
     if self.tuned:
         times, kept_label = self.tuned
-        p("  measured on the first calls (median forward): " + ", ".join(
+        p("  measured on the first calls (fastest call): " + ", ".join(
             f"{label} {t * 1e3:.3f} ms" for label, t in times) + f"; kept {kept_label}")
     p("")
 
@@ -293,4 +293,4 @@ def _decide(state, options, idx, layer, mode, is_block):
     if not (options.tune and not is_block and options.expected_calls > 1
             and not torch.are_deterministic_algorithms_enabled()):
         return cands[0]
-    return Trial(cands + [(ORIGINAL, ORIGINAL)])
+    return hetero.FastestTrial(cands + [(ORIGINAL, ORIGINAL)])

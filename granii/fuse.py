@@ -9,8 +9,8 @@ unfused sequence, so fusing never removes a choice.
                       spmm_weighted(sddmm_scale(d_dst, 1, d_src), X)    -> spmm_norm(d_dst, d_src, X)
                       (either scale may be absent; ``+ bias`` and a ReLU that follow are applied as
                       each output row is written)
-    GAT aggregation   spmm_weighted(softmax(leaky_relu(el_u + er_v)) [* w_e], Theta)
-                                                            -> gat_aggregate(el, er, Theta, slope, w)
+    GAT aggregation   spmm_weighted(dropout(softmax(leaky_relu(el_u + er_v))) [* w_e], Theta)
+                          -> mask = dropout(ones); gat_aggregate(el, er, Theta, slope, mask [* w])
 
 A chain fuses only when its inner results have no other use and run when the fused step runs.
 """
@@ -150,9 +150,15 @@ def _drop_unused(steps, out_var):
 
 
 def fuse_gat(plan):
-    """GAT's scores, leaky ReLU, softmax over in-edges [, edge weight] and weighted aggregation as
-    one ``gat_aggregate`` step, when the attention values are used by nothing else (no dropout on
-    them in training, no ``get_attention``)."""
+    """GAT's scores, leaky ReLU, softmax over in-edges [, attention dropout] [, edge weight] and
+    weighted aggregation as one ``gat_aggregate`` step, when the attention values are used by
+    nothing else (no ``get_attention``).
+
+    Attention dropout (an ``nn.Dropout`` module between the softmax and the aggregation) becomes
+    a mask drawn at the same place in the plan: the module applied to ones of the attention's
+    size, which draws exactly the random numbers it would have drawn on the attention and gives
+    ``bernoulli(1 - p) / (1 - p)``. The mask multiplies the attention per edge and head inside
+    the kernel (with the edge weight, when there is one)."""
     by_var = {st.var: st for st in plan.steps}
     uses = _uses(plan)
     single = lambda var: len(uses.get(var, ())) == 1
@@ -164,6 +170,11 @@ def fuse_gat(plan):
         if step is not None and step.prim == "edge_scale" and single(a):
             chain.append(step)
             a, w = step.args
+            step = by_var.get(a)
+        drop = None
+        if step is not None and step.prim == "apply" and single(a) and _is_dropout(plan, step):
+            drop = step
+            a = step.args[0]
             step = by_var.get(a)
         if step is None or step.prim != "edge_softmax" or not single(a):
             continue
@@ -184,9 +195,22 @@ def fuse_gat(plan):
         el, er = score.args
         slope = f"module.{ref[1]}.negative_slope" if ref[1].isidentifier() else \
             f"module.get_submodule({ref[1]!r}).negative_slope"
+        replaced = {}
+        if drop is not None:
+            mask = [Step(drop.var, "edge_mask", (el,), EVERY, drop.key)]
+            if w is not None:
+                mask.append(Step(f"{drop.var}_w", "edge_scale", (drop.var, w), EVERY, drop.key))
+            replaced[drop.var] = mask
+            w = mask[-1].var
         fused = Step(st.var, "gat_aggregate", (el, er, st.args[1], slope, w), EVERY, st.key,
                      ("gat_aggregate", False, st.sig[2]), st.inputs)
+        replaced[st.var] = [fused]
         gone = {c.var for c in chain}
-        steps = [fused if s is st else s for s in plan.steps if s.var not in gone]
+        steps = [r for s in plan.steps if s.var not in gone for r in replaced.get(s.var, [s])]
         return _rebuild(plan, steps, "g")
     return None
+
+
+def _is_dropout(plan, step):
+    ref = plan.applies.get(step.var, ())
+    return ref[:1] == ("module",) and step.key.startswith(f"{ref[1]}:Dropout(")

@@ -28,7 +28,7 @@ from .prune import signature
 
 EVERY, GRAPH, INPUT = "every call", "once per graph", "once per input"
 # written out in the generated code
-INLINE = ("add", "cat", "apply", "store", "row_slice", "edge_scale", "alias")
+INLINE = ("add", "cat", "apply", "store", "row_slice", "edge_scale", "alias", "edge_mask")
 COMPUTED = ("degree", "scalar", "headdiag")   # leaves the generated code computes itself
 
 
@@ -315,6 +315,8 @@ def _expr(step, impl, ref=None):
         return step.args[0]
     if step.prim == "apply":
         return _apply_expr(step, ref)
+    if step.prim == "edge_mask":
+        return _apply_expr(replace(step, args=(f"edge_ones(gi, {step.args[0]})",)), ref)
     return _call(step, impl)
 
 
@@ -499,6 +501,12 @@ def by_heads(kernel, gi, w, x):
     return kernel(gi, w, x.view(x.shape[0], heads, -1)).reshape(-1, x.shape[1])
 
 
+def edge_ones(gi, el):
+    """Ones with one value per edge and head (heads: the columns of the scores ``el``): what an
+    attention dropout module is applied to, to draw its mask."""
+    return torch.ones(gi.num_edges, el.shape[-1] if el.dim() > 1 else 1, dtype=el.dtype)
+
+
 def gat_heads(kernel, gi, el, er, x, slope, w):
     """GAT's aggregation with ``x`` of shape (n, H F) and scores ``el``, ``er`` of shape (n, H):
     the kernel's (n_dst, H, F) output as (n_dst, H F)."""
@@ -525,7 +533,8 @@ def diag_mul_torch(a, b):
 
 RUNTIME = {"torch": torch, "degree_power": degree_power, "once_per_graph": once_per_graph,
            "once_per_input": once_per_input, "diag_mul_torch": diag_mul_torch, "store": store,
-           "scalar": scalar, "head_diag": head_diag, "by_heads": by_heads, "gat_heads": gat_heads}
+           "scalar": scalar, "head_diag": head_diag, "by_heads": by_heads, "gat_heads": gat_heads,
+           "edge_ones": edge_ones}
 
 
 def all_steps(choice):

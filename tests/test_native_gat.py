@@ -101,8 +101,8 @@ def dense_reference(g, el, er, feat, slope, w=None):
     member[v, torch.arange(n_e)] = True
     scores = torch.where(member[None], z.t()[:, None, :], torch.tensor(-float("inf"), dtype=z.dtype))
     a = torch.softmax(scores, dim=-1).nan_to_num(0.0)             # (H, n_dst, E); empty rows -> 0
-    if w is not None:
-        a = a * w.reshape(1, 1, -1)
+    if w is not None:      # one weight per edge (E,), or per edge and head (E, H)
+        a = a * w.reshape(n_e, -1).t()[:, None, :]
     return torch.einsum("hve,ehf->vhf", a, feat[u])
 
 
@@ -111,7 +111,8 @@ def _inputs(g, heads, width, dtype, weighted, seed=0):
     el = torch.randn(g.num_src_nodes(), heads, 1, generator=gen, dtype=dtype)
     er = torch.randn(g.num_dst_nodes(), heads, 1, generator=gen, dtype=dtype)
     feat = torch.randn(g.num_src_nodes(), heads, width, generator=gen, dtype=dtype)
-    w = (torch.rand(g.num_edges(), generator=gen, dtype=dtype) + 0.1) if weighted else None
+    shape = (g.num_edges(), heads) if weighted == "head" else (g.num_edges(),)
+    w = (torch.rand(shape, generator=gen, dtype=dtype) + 0.1) if weighted else None
     return el, er, feat, w
 
 
@@ -148,9 +149,40 @@ def test_registry():
         assert "native" in kernels.implementations("edge_softmax")
 
 
-def test_fusable():
-    assert native_gat.fusable(0.0, True) and native_gat.fusable(0.5, False)
-    assert not native_gat.fusable(0.5, True)
+@pytest.mark.parametrize("edge_weight", [False, True])
+def test_fused_plan_with_attention_dropout_draws_dgls_mask(edge_weight):
+    """GATConv in training with feature and attention dropout: the fused plan (``gat_aggregate``
+    with the dropout mask drawn on ones) gives DGL's output and gradients under the same seed,
+    with every implementation of the fused step, on three seeds in a row."""
+    from granii.dispatch import new_state, prepare, run_plan
+    from granii.plan import step_impls
+    g = _random()
+    torch.manual_seed(0)
+    conv = dgl.nn.GATConv(12, 6, 4, feat_drop=0.3, attn_drop=0.5, allow_zero_in_degree=True)
+    conv.train()
+    x = torch.randn(g.num_nodes(), 12)
+    w = torch.rand(g.num_edges()) + 0.1
+    args = (g, x, w) if edge_weight else (g, x)
+    call = prepare(new_state(conv), conv, args, {})
+    assert not isinstance(call, str), call
+    fused = [p for p in call.compiled.plans if "gat_aggregate" in p.composition()]
+    assert fused, [p.composition() for p in call.compiled.plans]
+    for plan in fused:
+        assert "edge_mask" in [s.prim for s in plan.steps]
+        at = next(i for i, s in enumerate(plan.steps) if s.prim == "gat_aggregate")
+        base = [step_impls(s)[0] for s in plan.steps]
+        for impl in step_impls(plan.steps[at]):
+            impls = tuple(base[:at] + [impl] + base[at + 1:])
+            for seed in range(3):
+                torch.manual_seed(seed)
+                want = conv(*args)
+                gw = torch.autograd.grad(want.square().sum(), list(conv.parameters()))
+                torch.manual_seed(seed)
+                got = run_plan(call, plan, impls)
+                gg = torch.autograd.grad(got.square().sum(), list(conv.parameters()))
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+                for a, b in zip(gg, gw):
+                    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def _impl(name):
@@ -162,7 +194,8 @@ def _impl(name):
 # -- gat_aggregate against the dense reference ---------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("heads,width,weighted", [(1, 8, False), (8, 8, False), (8, 8, True),
-                                                  (4, 16, True), (3, 5, True)])
+                                                  (4, 16, True), (3, 5, True), (8, 8, "head"),
+                                                  (3, 5, "head")])
 def test_gat_aggregate_float32(graph, impl, heads, width, weighted):
     _compare(_impl(impl), graph, heads, width, torch.float32, weighted)
 
@@ -175,10 +208,12 @@ def test_gat_aggregate_float64(graph, impl, heads, width):
 
 @needs_native
 @pytest.mark.parametrize("heads,width", [(4, 256), (16, 4), (8, 16), (2, 64), (5, 40)])
-def test_native_widths(heads, width):
-    """Each inner-loop variant: wide tiles, narrow heads (H in {4, 8, 16}, F <= 16), other widths."""
+@pytest.mark.parametrize("weighted", [True, "head"])
+def test_native_widths(heads, width, weighted):
+    """Each inner-loop variant: wide tiles, narrow heads (H in {4, 8, 16}, F <= 16), other widths;
+    one weight per edge or per edge and head."""
     for g in (_huge_row(), _empty_rows()):
-        _compare(native_gat.gat_fused_native, g, heads, width, torch.float32, True, slope=0.1,
+        _compare(native_gat.gat_fused_native, g, heads, width, torch.float32, weighted, slope=0.1,
                  tol=2e-5)
 
 

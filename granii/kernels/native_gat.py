@@ -10,7 +10,8 @@ and edge-softmax kernels (implementation ``"native"`` of ``sddmm_add`` and ``edg
 which is DGL's ``GATConv`` after its projections: ``u_add_v``, ``leaky_relu``, ``edge_softmax``,
 the product with ``edge_weight`` and ``u_mul_e_sum``. Rows without in-edges give 0.
 Shapes: ``el`` ``(num_src, H[, 1])``, ``er`` ``(num_dst, H[, 1])``, ``feat`` ``(num_src, H, F)``,
-``edge_weight`` ``(E,)`` (or ``(E, 1[, 1])``) in DGL edge-id order; out ``(num_dst, H, F)``.
+``edge_weight`` ``(E,)`` (or ``(E, 1[, 1])``) in DGL edge-id order, or ``(E, H)``: one weight per
+edge and head (``w_eh`` in place of ``w_e``); out ``(num_dst, H, F)``.
 
 The native kernel makes one pass over the in-edges of each destination row for all heads: the
 scores stay in a per-row scratch buffer, never in an edge x head tensor. The backward keeps each
@@ -23,10 +24,9 @@ in place before the backward makes autograd raise (as for ``torch.softmax``); DG
 scattered read per edge). The backwards are native too and not differentiable again: a second
 derivative through them raises (``once_differentiable``).
 
-Attention dropout (GATConv's ``attn_drop`` with ``p > 0`` in training) draws a mask on ``a``
-between the softmax and the aggregation; the fused kernel cannot reproduce that draw, so
-``fusable(attn_drop_p, training)`` is False then and the caller must run the unfused primitives
-(``sddmm_add``, leaky ReLU, ``edge_softmax``, dropout, ``spmm_weighted``).
+Attention dropout (GATConv's ``attn_drop`` with ``p > 0`` in training) multiplies ``a`` by a mask
+drawn between the softmax and the aggregation; the fused plans draw the same mask with the same
+module on ones of the attention's size and pass it as per-head edge weights (``fuse.fuse_gat``).
 """
 import math
 
@@ -48,11 +48,6 @@ _OPS = torch.ops.granii    # the operator library (csrc/gat.cpp) the kernels are
 def available():
     """True when the compiled extension with the GAT kernels is loaded."""
     return native.available() and hasattr(_OPS, "gat_forward")
-
-
-def fusable(attn_drop_p=0.0, training=False):
-    """Whether ``gat_aggregate`` computes the layer: not when attention dropout draws a mask."""
-    return not (training and attn_drop_p > 0)
 
 
 def _csr(gi, which):
@@ -119,9 +114,9 @@ def _check_shapes(gi, el, er, feat, edge_weight):
     if el.numel() != gi.num_src * heads or er.numel() != gi.num_dst * heads:
         raise ValueError(f"granii: el must hold (num_src, {heads}) and er (num_dst, {heads}) scores, "
                          f"got {tuple(el.shape)} and {tuple(er.shape)}")
-    if edge_weight is not None and edge_weight.numel() != gi.num_edges:
-        raise ValueError(f"granii: edge_weight must hold one value per edge ({gi.num_edges}), "
-                         f"got {tuple(edge_weight.shape)}")
+    if edge_weight is not None and edge_weight.numel() not in (gi.num_edges, gi.num_edges * heads):
+        raise ValueError(f"granii: edge_weight must hold one value per edge ({gi.num_edges}) or "
+                         f"per edge and head, got {tuple(edge_weight.shape)}")
 
 
 def gat_fused_native(gi, el, er, feat, slope, edge_weight=None):
@@ -139,8 +134,11 @@ def gat_fused_native(gi, el, er, feat, slope, edge_weight=None):
 
 
 def _weighted(a, edge_weight):
-    """``a`` ``(E, H, 1)`` times ``w_e`` as GATConv applies ``edge_weight`` after the softmax."""
-    return a if edge_weight is None else a * edge_weight.reshape(-1, 1, 1).to(a.dtype)
+    """``a`` ``(E, H, 1)`` times ``w_e`` (or ``w_eh``, one per edge and head: an attention
+    dropout mask) as GATConv applies ``edge_weight`` after the softmax."""
+    if edge_weight is None:
+        return a
+    return a * edge_weight.reshape(a.shape[0], -1, 1).to(a.dtype)
 
 
 @register("gat_aggregate", "dgl")

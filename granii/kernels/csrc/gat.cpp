@@ -108,10 +108,17 @@ struct Gat {
   const T* el;       // (num_src, H)
   const T* er;       // (num_dst, H)
   const T* feat;     // (num_src, H, F)
-  const T* w;        // (E,) or nullptr
+  const T* w;        // (E,) or (E, H), or nullptr
   T slope;
   int64_t H, F;
+  int64_t wh;        // weights per edge: 1, or H (one per edge and head)
 };
+
+// Weight of edge e for head h: w_e, or w_eh with one weight per edge and head; 1 without weights.
+template <typename T, typename I>
+inline T weight_at(const Gat<T, I>& g, int64_t e, int64_t h) {
+  return g.w ? g.w[g.wh > 1 ? e * g.wh + h : e] : T(1);
+}
 
 // Software prefetch. Rows are gathered at random, so without requests ahead of use every row's
 // first lines stall the loop (measured: the score pass on pubmed ran 1.9x faster with them).
@@ -296,10 +303,19 @@ void row_coefficients(const Gat<T, I>& g, int64_t v, int64_t b, int64_t deg, int
     invv[h] = r;
   }
   for (int64_t j = 0; j < deg; ++j) {
-    const T wj = g.w ? g.w[edge_id(g.eids, b + j)] : T(1);
+    const int64_t e = edge_id(g.eids, b + j);
     T* __restrict sj = S + j * H;
-    for (int64_t h = 0; h < H; ++h) sj[h] *= invv[h] * wj;
+    for (int64_t h = 0; h < H; ++h) sj[h] *= invv[h] * weight_at(g, e, h);
   }
+}
+
+// The HC head weights of edge e as one vector.
+template <int HC, typename I>
+inline typename VecT<float, HC>::type weight_vec(const Gat<float, I>& g, int64_t e) {
+  using V = typename VecT<float, HC>::type;
+  if (!g.w) return V{} + 1.0f;
+  if (g.wh > 1) return *reinterpret_cast<const V*>(g.w + e * HC);
+  return V{} + g.w[e];
 }
 
 // row_coefficients with the HC heads of an entry in one float vector of HC lanes.
@@ -331,9 +347,9 @@ void row_coefficients_vec(const Gat<float, I>& g, int64_t v, int64_t b, int64_t 
   *reinterpret_cast<V*>(mxv) = m;
   *reinterpret_cast<V*>(invv) = r;
   for (int64_t j = 0; j < deg; ++j) {
-    const float wj = g.w ? g.w[edge_id(g.eids, b + j)] : 1.0f;
+    const V wv = weight_vec<HC>(g, edge_id(g.eids, b + j));
     V* sj = reinterpret_cast<V*>(S + j * HC);
-    *sj *= r * wj;
+    *sj *= r * wv;
   }
 }
 
@@ -386,6 +402,7 @@ void forward_rows(const Gat<T, I>& g, T* out, T* mx, T* inv, int64_t r0, int64_t
 //   d_e   = <dout[v,h], feat[u,h]>,   D_v = <dout[v,h], out[v,h]> (= sum_e a_e w_e d_e)
 //   dfeat[u,h] = sum_e a_e w_e dout[v,h]
 //   dx_e  = a_e (w_e d_e - D_v) leaky'(x_e),   del[u,h] = sum_e dx_e,   dw_e = sum_h a_e d_e
+// (with one weight per edge and head, w_eh in place of w_e and dw_eh = a_eh d_eh)
 // dx_e goes to gx (E, H) at the edge's position in the CSR of A (t2in maps each entry of A^T to
 // it), so the destination-side sums der[v,h] = sum_e dx_e read contiguous rows.
 template <typename T, typename I>
@@ -396,8 +413,21 @@ struct Grads {
   T* del;         // (num_src, H) or nullptr
   T* gx;          // (E, H) in CSR-of-A order, or nullptr
   const I* t2in;  // (E,) position in the CSR of A of each entry of A^T
-  T* dw;          // (E,) or nullptr
+  T* dw;          // (E,) or (E, H) as the weights, or nullptr
 };
+
+// dw of edge e from q = a_e d_e (HC heads): per head, or summed over the heads.
+template <int HC, typename I>
+inline void store_dw(const Gat<float, I>& g, const Grads<float, I>& d, int64_t e,
+                     typename VecT<float, HC>::type q) {
+  if (g.wh > 1) {
+    std::memcpy(d.dw + e * HC, &q, sizeof(q));
+    return;
+  }
+  float sum = 0.0f;
+  for (int h = 0; h < HC; ++h) sum += q[h];
+  d.dw[e] = sum;
+}
 
 // a (deg, H) and c = a w (deg, H) for the out-edges b .. b + deg of source u; requests the
 // destination values kAhead entries ahead and, when `early`, the dout rows of this row.
@@ -412,7 +442,7 @@ void edge_attention(const Gat<T, I>& g, const Grads<T, I>& d, int64_t u, int64_t
     const int64_t v = indices[b + j];
     prefetch_row(d.dout + v * HF, early);
     const T* __restrict rv = d.rowv + v * 4 * H;
-    const T wj = g.w ? g.w[edge_id(g.eids, b + j)] : T(1);
+    const int64_t e = edge_id(g.eids, b + j);
     if constexpr (HC > 0 && std::is_same<T, float>::value) {
       using V = typename VecT<float, HC>::type;
       const V* r = reinterpret_cast<const V*>(rv);
@@ -420,12 +450,12 @@ void edge_attention(const Gat<T, I>& g, const Grads<T, I>& d, int64_t u, int64_t
       z = z > 0.0f ? z : z * g.slope;
       const V av = exp_vec(z - r[1]) * r[2];
       *reinterpret_cast<V*>(A + j * H) = av;
-      *reinterpret_cast<V*>(C + j * H) = av * wj;
+      *reinterpret_cast<V*>(C + j * H) = av * weight_vec<HC>(g, e);
     } else {
       for (int64_t h = 0; h < H; ++h) {
         const T av = exp_approx(leaky(elu[h] + rv[h], g.slope) - rv[H + h]) * rv[2 * H + h];
         A[j * H + h] = av;
-        C[j * H + h] = av * wj;
+        C[j * H + h] = av * weight_at(g, e, h);
       }
     }
   }
@@ -464,20 +494,15 @@ void edge_score_grads(const Gat<T, I>& g, const Grads<T, I>& d, int64_t u, int64
     for (int64_t j = 0; j < deg; ++j) {
       const int64_t v = indices[b + j], e = edge_id(g.eids, b + j);
       const V* r = reinterpret_cast<const V*>(d.rowv + v * 4 * H);
-      const T wj = g.w ? g.w[e] : T(1);
+      const V wv = weight_vec<HC>(g, e);
       const V av = *reinterpret_cast<const V*>(A + j * H);
       const V pv = *reinterpret_cast<const V*>(P + j * H);
       const V x = el + r[0];
-      V dx = av * (pv * wj - r[3]);
+      V dx = av * (pv * wv - r[3]);
       dx = x > 0.0f ? dx : dx * g.slope;
       acc += dx;
       if (d.gx) *reinterpret_cast<V*>(d.gx + static_cast<int64_t>(d.t2in[b + j]) * H) = dx;
-      if (d.dw) {
-        const V q = av * pv;
-        T sum = T(0);
-        for (int h = 0; h < HC; ++h) sum += q[h];
-        d.dw[e] = sum;
-      }
+      if (d.dw) store_dw<HC>(g, d, e, av * pv);
     }
     if (dl) *reinterpret_cast<V*>(dl) = acc;
   } else {
@@ -485,17 +510,17 @@ void edge_score_grads(const Gat<T, I>& g, const Grads<T, I>& d, int64_t u, int64
     for (int64_t j = 0; j < deg; ++j) {
       const int64_t v = indices[b + j], e = edge_id(g.eids, b + j);
       const T* __restrict rv = d.rowv + v * 4 * H;
-      const T wj = g.w ? g.w[e] : T(1);
       T dwe = T(0);
       for (int64_t h = 0; h < H; ++h) {
         const T av = A[j * H + h], pv = P[j * H + h];
-        T dx = av * (wj * pv - rv[3 * H + h]);
+        T dx = av * (weight_at(g, e, h) * pv - rv[3 * H + h]);
         dx = elu[h] + rv[h] > T(0) ? dx : dx * g.slope;
         if (dl) dl[h] += dx;
         if (d.gx) d.gx[static_cast<int64_t>(d.t2in[b + j]) * H + h] = dx;
+        if (d.dw && g.wh > 1) d.dw[e * H + h] = av * pv;
         dwe += av * pv;
       }
-      if (d.dw) d.dw[e] = dwe;
+      if (d.dw && g.wh == 1) d.dw[e] = dwe;
     }
   }
 }
@@ -580,27 +605,22 @@ void backward_src_rows_narrow(const Gat<float, I>& g, const Grads<float, I>& d, 
       }
       const int64_t v = indices[b + j], e = edge_id(g.eids, b + j);
       const V* r = reinterpret_cast<const V*>(d.rowv + v * 4 * HC);
-      const float wj = g.w ? g.w[e] : 1.0f;
+      const V wv = weight_vec<HC>(g, e);
       const V x = el + r[0];
       const V z = x > 0.0f ? x : x * slope;
       const V a = exp_vec(z - r[1]) * r[2];
-      const V c = a * wj;
+      const V c = a * wv;
       const V* dT = reinterpret_cast<const V*>(doutT + v * HF);
       V p = V{};
       for (int f = 0; f < FC; ++f) {
         p += dT[f] * fuT[f];
         acc[f] += c * dT[f];
       }
-      V dx = a * (p * wj - r[3]);
+      V dx = a * (p * wv - r[3]);
       dx = x > 0.0f ? dx : dx * slope;
       dl += dx;
       if (d.gx) *reinterpret_cast<V*>(d.gx + static_cast<int64_t>(d.t2in[b + j]) * HC) = dx;
-      if (d.dw) {
-        const V q = a * p;
-        float sum = 0.0f;
-        for (int h = 0; h < HC; ++h) sum += q[h];
-        d.dw[e] = sum;
-      }
+      if (d.dw) store_dw<HC>(g, d, e, a * p);
     }
     if (d.dfeat) {
       float* df = d.dfeat + u * HF;
@@ -713,6 +733,7 @@ Gat<T, I> make_gat(const at::Tensor& indptr, const at::Tensor& indices, const c1
   g.slope = static_cast<T>(slope);
   g.H = feat.size(1);
   g.F = feat.size(2);
+  g.wh = w.has_value() && g.H > 1 && indices.numel() > 0 && w->numel() == indices.numel() * g.H ? g.H : 1;
   return g;
 }
 
@@ -728,7 +749,8 @@ void check_inputs(const at::Tensor& el, const at::Tensor& er, const at::Tensor& 
   check_dense(er, "er", name, dt);
   if (w.has_value()) {
     check_dense(*w, "edge weight", name, dt);
-    TORCH_CHECK(w->numel() == E, name, ": one edge weight per edge expected");
+    TORCH_CHECK(w->numel() == E || w->numel() == E * H, name,
+                ": one edge weight per edge, or per edge and head, expected");
   }
 }
 
@@ -781,7 +803,7 @@ std::vector<at::Tensor> gat_backward(const at::Tensor& in_indptr, const at::Tens
   if (need_el) del = at::empty({n_src, H}, feat.options());
   if (need_er) gx = at::empty({E, H}, feat.options());
   if (need_feat) dfeat = at::empty({n_src, H, F}, feat.options());
-  if (need_w && w.has_value()) dw = at::empty({E}, feat.options());
+  if (need_w && w.has_value()) dw = at::empty({w->numel()}, feat.options());
   auto rowv = at::empty({n_dst, 4, H}, feat.options());
   AT_DISPATCH_FLOATING_TYPES(feat.scalar_type(), "gat_backward", [&] {
     using T = scalar_t;

@@ -9,6 +9,7 @@ unfused sequence, so fusing never removes a choice.
                       spmm_weighted(sddmm_scale(d_dst, 1, d_src), X)    -> spmm_norm(d_dst, d_src, X)
                       (either scale may be absent; ``+ bias`` and a ReLU that follow are applied as
                       each output row is written)
+    shared GEMM       X W_1 [+ b_1], X W_2 [+ b_2]                      -> X [W_1 W_2] [+ [b_1 b_2]], split
     GAT aggregation   spmm_weighted(dropout(softmax(leaky_relu(el_u + er_v))) [* w_e], Theta)
                           -> mask = dropout(ones); gat_aggregate(el, er, Theta, slope, mask [* w])
 
@@ -32,7 +33,45 @@ def fused_variants(plan):
     gat = fuse_gat(norm or plan)
     if gat is not None:
         out.append(gat)
+    shared = fuse_shared_gemm(norm or plan)
+    if shared is not None:
+        out.append(shared)
     return out
+
+
+def fuse_shared_gemm(plan):
+    """Two GEMMs of one left operand, ``X W_1 [+ b_1]`` and ``X W_2 [+ b_2]`` (SAGE's self and
+    neighbour products), as one ``X [W_1 W_2] [+ [b_1 b_2]]`` whose column blocks are the two
+    results: ``X`` is read once in the forward, and once in the backward
+    (``[dW_1 dW_2] = X^T [dY_1 dY_2]``). Weights and biases must be parameters."""
+    gemms = [st for st in plan.steps if st.prim == "gemm" and st.when == EVERY]
+
+    def param(var, row=False):
+        leaf = plan.leaves.get(var)
+        return leaf is not None and leaf.sub == "weight" and (not row or leaf.rows == "1")
+
+    for i, a in enumerate(gemms):
+        for b in gemms[i + 1:]:
+            if a.args[0] != b.args[0] or not (param(a.args[1]) and param(b.args[1])):
+                continue
+            ba, bb = (st.args[2] if len(st.args) == 3 else None for st in (a, b))
+            if any(c is not None and not param(c, row=True) for c in (ba, bb)):
+                continue
+            pack, both = f"{a.var}_w", f"{a.var}_{b.var}"
+            x, (m, k, n1), n2 = a.args[0], a.sig[2], b.sig[2][2]
+            new = [Step(pack, "gemm_pack", (a.args[1], b.args[1], ba, bb), EVERY, a.key),
+                   Step(both, "gemm", (x, f"{pack}[0]", f"{pack}[1]"), EVERY,
+                        f"{a.key} | {b.key}", ("gemm", False, (m, k, f"{n1}+{n2}")), a.inputs),
+                   Step(a.var, "columns", (both, a.args[1], "first"), EVERY, a.key),
+                   Step(b.var, "columns", (both, a.args[1], "rest"), EVERY, b.key)]
+            steps = []
+            for st in plan.steps:
+                if st is a:
+                    steps += new
+                elif st is not b:
+                    steps.append(st)
+            return _rebuild(plan, steps, "h")
+    return None
 
 
 def _uses(plan):

@@ -28,7 +28,8 @@ from .prune import signature
 
 EVERY, GRAPH, INPUT = "every call", "once per graph", "once per input"
 # written out in the generated code
-INLINE = ("add", "cat", "apply", "store", "row_slice", "edge_scale", "alias", "edge_mask")
+INLINE = ("add", "cat", "apply", "store", "row_slice", "edge_scale", "alias", "edge_mask",
+          "gemm_pack", "columns")
 COMPUTED = ("degree", "scalar", "headdiag")   # leaves the generated code computes itself
 
 
@@ -315,6 +316,12 @@ def _expr(step, impl, ref=None):
         return step.args[0]
     if step.prim == "apply":
         return _apply_expr(step, ref)
+    if step.prim == "gemm_pack":
+        return f"gemm_pack({', '.join(a if a is not None else 'None' for a in step.args)})"
+    if step.prim == "columns":
+        both, first_w, which = step.args
+        cut = f"{first_w}.shape[1]"
+        return f"{both}[:, :{cut}]" if which == "first" else f"{both}[:, {cut}:]"
     if step.prim == "edge_mask":
         return _apply_expr(replace(step, args=(f"edge_ones(gi, {step.args[0]})",)), ref)
     return _call(step, impl)
@@ -501,6 +508,17 @@ def by_heads(kernel, gi, w, x):
     return kernel(gi, w, x.view(x.shape[0], heads, -1)).reshape(-1, x.shape[1])
 
 
+def gemm_pack(w1, w2, b1, b2):
+    """``([W_1 W_2], [b_1 b_2])`` for one GEMM in place of two on the same operand (a missing
+    bias is zeros; ``None`` when both are)."""
+    w = torch.cat((w1, w2), 1)
+    if b1 is None and b2 is None:
+        return w, None
+    b1 = w1.new_zeros(w1.shape[1]) if b1 is None else b1.reshape(-1)
+    b2 = w2.new_zeros(w2.shape[1]) if b2 is None else b2.reshape(-1)
+    return w, torch.cat((b1, b2))
+
+
 def edge_ones(gi, el):
     """Ones with one value per edge and head (heads: the columns of the scores ``el``): what an
     attention dropout module is applied to, to draw its mask."""
@@ -534,7 +552,7 @@ def diag_mul_torch(a, b):
 RUNTIME = {"torch": torch, "degree_power": degree_power, "once_per_graph": once_per_graph,
            "once_per_input": once_per_input, "diag_mul_torch": diag_mul_torch, "store": store,
            "scalar": scalar, "head_diag": head_diag, "by_heads": by_heads, "gat_heads": gat_heads,
-           "edge_ones": edge_ones}
+           "edge_ones": edge_ones, "gemm_pack": gemm_pack}
 
 
 def all_steps(choice):

@@ -19,6 +19,7 @@ Regret = granii's median / the fastest contender measured (every composition and
 import argparse
 import copy
 import csv
+import json
 import os
 import statistics
 import sys
@@ -79,7 +80,7 @@ def run_case(name, g, et, reg, k, mode, rounds, log):
     wrapped = layer
     contenders["granii"] = call(lambda x: wrapped(g, x, et, presorted=True))
     idx = hetero.relational_index(g, et, R)
-    kept, _ = hetero.plans_for(reg)
+    kept = hetero.runnable(hetero.plans_for(reg)[0], idx.sizes(), B or 1)
     for plan in kept:
         contenders["plan " + hetero.plan_name(plan)] = call(
             lambda x, p=plan: hetero._rel_run(hetero.RelState("x", layer), p, idx, layer, g, x,
@@ -113,14 +114,29 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="AIFB and MUTAG, k=16, 3 rounds")
     ap.add_argument("--am", action="store_true", help="include the AM-sized graph")
     ap.add_argument("--out", default="results/hetero")
+    ap.add_argument("--datasets", help="comma-separated subset, e.g. bgs")
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows of other datasets already in the output")
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
     names = ["aifb", "mutag"] + ([] if a.quick else ["bgs"]) + (["am"] if a.am else [])
+    if a.datasets:
+        names = a.datasets.split(",")
     ks = [16] if a.quick else [16, 64]
     log = lambda s: print(s, flush=True, file=sys.stderr)
     load0 = _load()
     log(f"load average (1 min) at start: {load0:.2f}")
-    rows = []
+    rows, runs = [], []
+    if a.append and os.path.exists(os.path.join(a.out, "hetero.csv")):
+        with open(os.path.join(a.out, "hetero.csv")) as f:
+            rows = [r for r in csv.DictReader(f) if r["dataset"] not in names]
+        for r in rows:
+            for c in ("dgl_presorted_false_ms", "dgl_presorted_true_ms", "granii_ms",
+                      "oracle_ms", "regret", "first_call_granii_ms", "first_call_dgl_ms"):
+                r[c] = float(r[c])
+        with open(os.path.join(a.out, "runs.json")) as f:
+            runs = [x for x in json.load(f) if set(x["datasets"]) - set(names)]
+    runs.append({"datasets": names, "load_start": load0, "load_end": None, "minutes": 0.0})
     t_start = time.time()
     for name in names:
         hg = hetero_graphs.generate(name, seed=0)
@@ -152,27 +168,31 @@ def main(argv=None):
                         "plans": ";".join(f"{c[5:]}={t * 1e3:.2f}" for c, t in med.items()
                                           if c.startswith("plan ")),
                     })
-                    save(rows, a.out, load0, None, time.time() - t_start)
+                    runs[-1]["minutes"] = (time.time() - t_start) / 60
+                    save(rows, a.out, runs)
                     log(f"    granii {med['granii'] * 1e3:.2f} ms ({chosen}); DGL "
                         f"{med['dgl presorted=False'] * 1e3:.2f} / "
                         f"{med['dgl presorted=True'] * 1e3:.2f} ms; oracle {best} "
                         f"{med[best] * 1e3:.2f} ms")
     load1 = _load()
     log(f"load average (1 min) at end: {load1:.2f}")
-    save(rows, a.out, load0, load1, time.time() - t_start)
+    runs[-1]["load_end"] = load1
+    save(rows, a.out, runs)
 
 
-def save(rows, out, load0, load1, seconds):
+def save(rows, out, runs):
     """Write the CSV and the report (after every case, so a stopped run keeps its results)."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "hetero.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    write_md(rows, os.path.join(out, "hetero.md"), load0, load1, seconds)
+    with open(os.path.join(out, "runs.json"), "w") as f:
+        json.dump(runs, f, indent=1)
+    write_md(rows, os.path.join(out, "hetero.md"), runs)
 
 
-def write_md(rows, path, load0, load1, seconds):
+def write_md(rows, path, runs):
     lines = [
         "# RGCN layer: DGL's RelGraphConv vs granii",
         "",
@@ -180,11 +200,12 @@ def write_md(rows, path, load0, load1, seconds):
         "et al. 2018: entities, edges, relations; node-type counts assumed; each relation with its",
         "inverse), by `granii/hetero_graphs.py` -- not the real datasets. One RelGraphConv layer",
         "(k_in = k_out = k, self-loop), learned node embeddings as input. `python -m bench.hetero`;",
-        f"2 torch threads, medians of interleaved rounds; {seconds / 60:.1f} min; 1-minute load",
-        f"average {load0:.2f} at the start and "
-        + (f"{load1:.2f} at the end" if load1 is not None else "(run not finished)")
-        + " (other work on the 2-core",
-        "machine: absolute times are inflated, ratios within a round are comparable).",
+        "2 torch threads, medians of interleaved rounds. Other work ran on the 2-core machine:",
+        "absolute times are inflated and noisy; contenders of one round ran side by side.",
+        "Runs (1-minute load average at start and end):",
+    ] + [f"- {', '.join(r['datasets'])}: {r['minutes']:.1f} min, load {r['load_start']:.2f} -> "
+         + (f"{r['load_end']:.2f}" if r["load_end"] is not None else "(stopped)")
+         + (f" ({r['note']})" if r.get("note") else "") for r in runs] + [
         "",
         "`infer`: no gradients, new features every call. `train`: forward + backward. Times in ms.",
         "regret = granii / fastest contender measured (every composition granii can run, DGL's two",

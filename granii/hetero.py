@@ -492,6 +492,10 @@ class RelState:
         for q, c in ranking:
             mark = "  <- chosen" if q == chosen else ""
             p(f"    {c * 1e3:9.3f} ms  {plan_name(q)}{mark}")
+        for q in kept:
+            if q not in dict(ranking):
+                p(f"    not run: {plan_name(q)} (its folded coefficients would keep E x B = "
+                  f"{index_entries(q, sizes, lin.num_bases):,} index entries per graph)")
         if chosen == ORIGINAL:
             p("  kept DGL's forward (measured fastest)")
         if self.tuned:
@@ -617,10 +621,25 @@ def rel_dispatch(state, options, layer, args, kwargs):
     return _rel_run(state, decision[1], idx, layer, g, feat, etypes, norm, presorted, args, kwargs)
 
 
+INDEX_ENTRIES_LIMIT = 1 << 24
+
+
+def index_entries(plan, sizes, B):
+    """Index entries a plan's moves keep per graph beyond one per edge: a coefficient folded into
+    the edge-crossing move expands it to E B entries (indices, value ids, the transpose)."""
+    return sizes["E"] * B if any(st[0] == "move" and st[3] for st in lower(plan)) else 0
+
+
+def runnable(plans, sizes, B):
+    """The plans whose per-graph index fits ``INDEX_ENTRIES_LIMIT`` (on BGS-sized graphs with 40
+    bases the folded moves would keep several GB)."""
+    return [p for p in plans if index_entries(p, sizes, B) <= INDEX_ENTRIES_LIMIT]
+
+
 def _rel_decide(state, options, idx, lin, mode, is_block):
-    kept, _ = plans_for(lin.regularizer)
-    sizes = idx.sizes()
     B = getattr(lin, "num_bases", 1)
+    kept = runnable(plans_for(lin.regularizer)[0], idx.sizes(), B)
+    sizes = idx.sizes()
     ranking = sorted(((p, plan_cost(p, sizes, lin.in_size, lin.out_size, B, lin.regularizer,
                                     mode[0])) for p in kept), key=lambda t: t[1])
     best = ranking[0]

@@ -33,7 +33,7 @@ def fused_variants(plan):
     gat = fuse_gat(norm or plan)
     if gat is not None:
         out.append(gat)
-    shared = fuse_shared_gemm(norm or plan)
+    shared = fuse_shared_gemm(gat or norm or plan)
     if shared is not None:
         out.append(shared)
     return out

@@ -293,4 +293,4 @@ def _decide(state, options, idx, layer, mode, is_block):
     if not (options.tune and not is_block and options.expected_calls > 1
             and not torch.are_deterministic_algorithms_enabled()):
         return cands[0]
-    return hetero.FastestTrial(cands + [(ORIGINAL, ORIGINAL)])
+    return hetero.FastestTrial(cands + hetero.trial_original(mode))

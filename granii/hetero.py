@@ -123,8 +123,9 @@ class RelIndex:
             if per_edge:
                 row, col, vid = ib, ia, torch.arange(self.E)
             else:
-                pair = torch.unique(torch.stack([ib, ia]), dim=1)
-                row, col, vid = pair[0], pair[1], None
+                span = max(self.size[a], 1)
+                key = torch.unique(ib * span + ia)          # one scalar sort, not unique(dim=1)
+                row, col, vid = key // span, key % span, None
             rows, cols = self.size[b], self.size[a]
             if expand is not None:
                 h = torch.arange(blocks)

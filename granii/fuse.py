@@ -44,6 +44,8 @@ def fuse_shared_gemm(plan):
     neighbour products), as one ``X [W_1 W_2] [+ [b_1 b_2]]`` whose column blocks are the two
     results: ``X`` is read once in the forward, and once in the backward
     (``[dW_1 dW_2] = X^T [dY_1 dY_2]``). Weights and biases must be parameters."""
+    if any(ref[:1] == ("detach",) for ref in plan.applies.values()):
+        return None      # a weight behind .detach() must get no gradient, not a zero one
     gemms = [st for st in plan.steps if st.prim == "gemm" and st.when == EVERY]
 
     def param(var, row=False):

@@ -276,6 +276,11 @@ class Interpreter:
             return rules.module_attr(self, e.attr)
         if isinstance(obj, _SYMBOLIC):
             return rules.symbolic_attr(self, obj, e.attr, e)
+        if isinstance(obj, torch.nn.Module) and isinstance(obj._parameters.get(e.attr),
+                                                           torch.nn.Parameter):
+            path = next((n for n, m in self.module.named_modules() if m is obj and n), None)
+            if path is not None:         # a submodule's parameter read directly (lin.weight)
+                return rules.module_attr(self, f"{path}.{e.attr}")
         try:
             return getattr(obj, e.attr)
         except AttributeError:

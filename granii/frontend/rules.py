@@ -39,7 +39,9 @@ def fail(node, construct, reason):
 def module_attr(it, attr):
     """``self.<attr>``: configuration values as they are; tensors (parameters, buffers, cached
     values) as symbolic leaves read at run time, one-element ones as scalars."""
-    value = getattr(it.module, attr)
+    value = it.module
+    for part in attr.split("."):
+        value = getattr(value, part)
     if inspect.ismethod(value) and value.__self__ is it.module and attr not in vars(it.module):
         return value             # a method of the layer's class (a message function, ...)
     it.config[attr] = config_summary(value)
@@ -477,6 +479,9 @@ def call_method(it, m, args, kwargs, node):
             return Tensor(obj.node, obj.ndim + 1)
         if name in ("tile", "transpose") and _is_arg(obj.node):
             return Edges(arg=obj.node.source[1])
+        if (name == "t" and not args or name == "transpose" and sorted(args) == [0, 1]) \
+                and _is_param(obj.node):
+            return Tensor(param_leaf(it, obj.node.source[1], None, not obj.node.transposed), 2)
         if name == "size":
             if args == [0] and obj.node.rows is not None:
                 return GraphCondition(f"rows:{obj.node.rows}")
@@ -497,6 +502,12 @@ def call_method(it, m, args, kwargs, node):
         if name == "update":
             return frame_set(obj, None, args[0], it)
     fail(node, f".{name}() on {type(obj).__name__}", "not lowered")
+
+
+def _is_param(n):
+    """A weight leaf read from a parameter (``self.w``, ``self.lin.weight``), as written or
+    transposed."""
+    return isinstance(n, ir.Leaf) and n.source[:1] == ("param",)
 
 
 def _update_all_args(args, kwargs, node):

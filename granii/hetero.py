@@ -513,20 +513,28 @@ class RelState:
         p("")
 
 
-class RelDispatcher(Dispatcher):
-    """``forward`` of an optimized ``RelGraphConv`` (see the module docstring)."""
+class TypedDispatcher(Dispatcher):
+    """``forward`` of an optimized relational layer: its own state type (``state_type``) and
+    dispatch function (``run``); copies and unpickled dispatchers make a fresh state."""
+    state_type = None
+    run = None
 
     def __init__(self, layer, name, options):
         self.layer, self.options = layer, options
-        self.state = RelState(name, layer)
+        self.state = self.state_type(name, layer)
 
     def __call__(self, *args, **kwargs):
         if self.state is None:
-            self.state = RelState(getattr(self, "_name", type(self.layer).__name__), self.layer)
-        return rel_dispatch(self.state, self.options, self.layer, args, kwargs)
+            self.state = self.state_type(getattr(self, "_name", type(self.layer).__name__),
+                                         self.layer)
+        return type(self).run(self.state, self.options, self.layer, args, kwargs)
 
     def __deepcopy__(self, memo):
-        return RelDispatcher(copy.deepcopy(self.layer, memo), self.state.name, self.options)
+        return type(self)(copy.deepcopy(self.layer, memo), self.state.name, self.options)
+
+
+class RelDispatcher(TypedDispatcher):
+    """``forward`` of an optimized ``RelGraphConv`` (see the module docstring)."""
 
 
 _REL_SIG = None
@@ -851,3 +859,7 @@ def wrap_containers(model, options):
         m.forward = HeteroDispatcher(m, name or type(m).__name__, options)
         out.append(m)
     return out
+
+
+RelDispatcher.state_type = RelState
+RelDispatcher.run = staticmethod(rel_dispatch)

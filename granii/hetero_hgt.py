@@ -22,14 +22,13 @@ space is never larger than the edge space), the rest priced per input, and the m
 tie-break keeps the fastest of the two best and DGL's forward. Each typed product is one segment
 GEMM per head (heads are few and fixed; nothing loops over relations).
 """
-import copy
 import inspect
 import time
 
 import torch
 
 from . import hetero
-from .dispatch import ORIGINAL, TRIAL_MARGIN, Dispatcher, Trial
+from .dispatch import ORIGINAL, TRIAL_MARGIN, Trial
 from .kernels import typed
 
 PLACES = ("1", "2", "3")
@@ -198,18 +197,8 @@ def _explain_decision(self, p, name):
 HGTState._explain_decision = _explain_decision
 
 
-class HGTDispatcher(Dispatcher):
-    def __init__(self, layer, name, options):
-        self.layer, self.options = layer, options
-        self.state = HGTState(name, layer)
-
-    def __call__(self, *args, **kwargs):
-        if self.state is None:
-            self.state = HGTState(getattr(self, "_name", type(self.layer).__name__), self.layer)
-        return dispatch(self.state, self.options, self.layer, args, kwargs)
-
-    def __deepcopy__(self, memo):
-        return HGTDispatcher(copy.deepcopy(self.layer, memo), self.state.name, self.options)
+class HGTDispatcher(hetero.TypedDispatcher):
+    """``forward`` of an optimized ``HGTConv``."""
 
 
 def _unsupported(layer, g, x, ntype, etype):
@@ -294,3 +283,7 @@ def _decide(state, options, idx, layer, mode, is_block):
             and not torch.are_deterministic_algorithms_enabled()):
         return cands[0]
     return hetero.FastestTrial(cands + hetero.trial_original(mode))
+
+
+HGTDispatcher.state_type = HGTState
+HGTDispatcher.run = staticmethod(dispatch)

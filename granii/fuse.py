@@ -10,6 +10,8 @@ unfused sequence, so fusing never removes a choice.
                       (either scale may be absent; ``+ bias`` and a ReLU that follow are applied as
                       each output row is written)
     shared GEMM       X W_1 [+ b_1], X W_2 [+ b_2]                      -> X [W_1 W_2] [+ [b_1 b_2]], split
+                      (one split, so the backward writes [dY_1 dY_2] once instead of zero-filling
+                      the packed width for each block)
     GAT aggregation   spmm_weighted(dropout(softmax(leaky_relu(el_u + er_v))) [* w_e], Theta)
                           -> mask = dropout(ones); gat_aggregate(el, er, Theta, slope, mask [* w])
 
@@ -60,12 +62,14 @@ def fuse_shared_gemm(plan):
             if any(c is not None and not param(c, row=True) for c in (ba, bb)):
                 continue
             pack, both = f"{a.var}_w", f"{a.var}_{b.var}"
+            parts = f"{both}_parts"
             x, (m, k, n1), n2 = a.args[0], a.sig[2], b.sig[2][2]
             new = [Step(pack, "gemm_pack", (a.args[1], b.args[1], ba, bb), EVERY, a.key),
                    Step(both, "gemm", (x, f"{pack}[0]", f"{pack}[1]"), EVERY,
                         f"{a.key} | {b.key}", ("gemm", False, (m, k, f"{n1}+{n2}")), a.inputs),
-                   Step(a.var, "columns", (both, a.args[1], "first"), EVERY, a.key),
-                   Step(b.var, "columns", (both, a.args[1], "rest"), EVERY, b.key)]
+                   Step(parts, "columns", (both, a.args[1]), EVERY, f"{a.key} | {b.key}"),
+                   Step(a.var, "alias", (f"{parts}[0]",), EVERY, a.key),
+                   Step(b.var, "alias", (f"{parts}[1]",), EVERY, b.key)]
             steps = []
             for st in plan.steps:
                 if st is a:

@@ -319,9 +319,8 @@ def _expr(step, impl, ref=None):
     if step.prim == "gemm_pack":
         return f"gemm_pack({', '.join(a if a is not None else 'None' for a in step.args)})"
     if step.prim == "columns":
-        both, first_w, which = step.args
-        cut = f"{first_w}.shape[1]"
-        return f"{both}[:, :{cut}]" if which == "first" else f"{both}[:, {cut}:]"
+        both, first_w = step.args
+        return f"{both}.split(({first_w}.shape[1], {both}.shape[1] - {first_w}.shape[1]), 1)"
     if step.prim == "edge_mask":
         return _apply_expr(replace(step, args=(f"edge_ones(gi, {step.args[0]})",)), ref)
     return _call(step, impl)

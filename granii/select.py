@@ -18,7 +18,9 @@ measured forward and backward of its implementation (``step_seconds``):
 with ``f`` the predicted forward, ``b`` the predicted forward + backward computing the ``G``
 gradients the profiler measured (``learned.TRAIN_GRADS``: features, weights, edge values,
 attention terms), ``g`` of those needed here, and ``g'`` needed gradients of other operands
-(priced as one call of the forward each). Without a training-phase model (the analytical model,
+(priced as one call of the forward each), except that a bias row's gradient is a column sum (one
+pass over the result) and an addend (``add``, ``C`` of ``X W + C``) gets the result's gradient for
+free. Without a training-phase model (the analytical model,
 older model folders) ``c = f (1 + g + g')``: one more call of the same size per gradient
 (``dX = A^T dY`` is an SpMM, ``dW = X^T dY`` a GEMM).
 """
@@ -73,9 +75,14 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
             continue
         dims = concrete_dims(step.sig, symbols)
         options = []
-        needed = tuple(i for i, a in enumerate(step.args) if a in grad_vars)
+        needed = tuple(i for i, a in enumerate(step.args) if _base(a) in grad_vars)
+        bias = tuple(i for i in needed if _is_row(plan, step.args[i]))
+        # an addend's gradient is the result's (add, and GEMM's C in X W + C): nothing to compute
+        needed = () if step.prim == "add" else tuple(
+            i for i in needed if i not in bias and not (step.prim == "gemm" and i == 2))
+        extra = len(bias) * _column_sum_seconds(model, step.prim, gi, dims) if bias else 0.0
         for impl in step_impls(step):
-            t = step_seconds(model, step.prim, impl, gi, dims, _heads(plan), needed)
+            t = step_seconds(model, step.prim, impl, gi, dims, _heads(plan), needed) + extra
             amortised = step.when == GRAPH or (step.when == INPUT and cacheable)
             options.append((t / expected_calls if amortised else t, impl))
         t, impl = min(options)
@@ -124,9 +131,29 @@ def _needs_grad(plan, training, input_grad):
     grad = {v for v, l in plan.leaves.items()
             if l.sub == "weight" or (input_grad and l.source[0] in ("arg", "edge"))}
     for step in plan.steps:
-        if any(a in grad for a in step.args):
+        if any(_base(a) in grad for a in step.args):
             grad.add(step.var)
     return grad
+
+
+def _is_row(plan, arg):
+    """``arg`` is a leaf of one row broadcast over the result (a bias): its gradient is the
+    column sum of the result's gradient, one pass over it."""
+    leaf = plan.leaves.get(arg) if isinstance(arg, str) else None
+    return leaf is not None and leaf.rows == "1"
+
+
+def _column_sum_seconds(model, prim, gi, dims):
+    """One pass over a step's (rows x cols) result, priced as a row scaling of that size."""
+    rows, cols = (dims["m"], dims["n"]) if prim == "gemm" else (dims.get("n"), dims.get("k"))
+    if rows is None or cols is None:
+        return 0.0
+    return _predict(model, "row_scale", "torch", gi, {"n": rows, "k": cols}, 1)
+
+
+def _base(arg):
+    """The variable an argument reads: ``pack`` for ``pack[0]`` (a part of a step's tuple)."""
+    return arg.split("[", 1)[0] if isinstance(arg, str) else arg
 
 
 __all__ = ["rank", "price", "step_seconds", "Choice", "EXPECTED_CALLS", "EVERY"]

@@ -22,8 +22,9 @@ from models import CASES, CASES_BY_NAME, of_optimized_kind
 
 RTOL = 1e-4
 # A parameter's gradient is a sum over every node or edge (attention vectors, biases, eps), with
-# cancellation: its rounding error relative to its largest entry is a few times an output's.
-RTOL_GRAD = 3e-4
+# cancellation: its rounding error relative to its largest entry is a few times an output's (GAT's
+# attn_r in float32: up to 4.3e-4 seen with plans that agree with DGL to 1e-9 in float64).
+RTOL_GRAD = 6e-4
 CALLS = 3
 GRAPHS = {"directed": directed, "undirected": undirected, "zero_in_degree": zero_in_degree}
 

@@ -477,3 +477,39 @@ def test_selection_ranks_graphconv_plans_with_learned_models(model_dir):
         call = prepare(state, layer, (g, torch.randn(g.num_nodes(), 32)), {})
     ranking = rank(call.compiled.plans, call.gi, call.symbols, lc)
     assert ranking and all(math.isfinite(c.cost) and c.cost > 0 for c in ranking)
+
+
+class _PerPrim:
+    """Forward 1 s per call (0.01 s for a row scaling), forward + both gradients 5 s."""
+    name = "per-prim"
+
+    def predict(self, prim, impl, gi, dims):
+        return 0.01 if prim == "row_scale" else 1.0
+
+    def predict_train(self, prim, impl, gi, dims):
+        return 5.0
+
+
+def test_training_prices_a_bias_as_a_column_sum_and_a_packed_gemm_with_its_backward():
+    """``X W + b`` with ``X`` needing no gradient: f + (b - f) / 2 for ``dW`` and one pass over
+    the result for ``db`` (not one more forward); the packed GEMM of a shared-operand plan reads
+    its weights through ``pack[i]`` and is still priced with its backward."""
+    from dgl.nn import SAGEConv
+
+    from granii.dispatch import new_state, prepare
+    from granii.select import price
+    g = gen.build("uniform:n=300,m=2000,seed=3,undirected=0")
+    layer = SAGEConv(16, 8, "mean")
+    call = prepare(new_state(layer, "sage"), layer, (g, torch.randn(g.num_nodes(), 16)), {})
+    seen_bias = seen_pack = False
+    for plan in call.compiled.plans:
+        choice = price(plan, call.gi, call.symbols, _PerPrim(), True, False, 100)
+        for step, _, t in choice.step_costs:
+            if step.prim != "gemm" or step.args[0] != "feat":
+                continue
+            bias = len(step.args) == 3 and plan.leaves.get(step.args[2]) is not None
+            packed = "[" in step.args[1]
+            assert t == pytest.approx(1 + 4 / 2 + (0.01 if bias else 0.0)), (plan.index, step)
+            seen_bias |= bias
+            seen_pack |= packed
+    assert seen_bias and seen_pack

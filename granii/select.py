@@ -32,6 +32,8 @@ from .plan import EVERY, GRAPH, INPUT, step_impls
 from .prune import GE, LT
 
 EXPECTED_CALLS = 100
+TRIAL_MARGIN = 1.3       # plans predicted within this factor of the best are timed too
+TRIAL_PLANS = 2          # at most this many plans take turns (with the layer's own forward)
 
 
 @dataclass
@@ -64,6 +66,22 @@ def rank(plans, gi, symbols, model, training=False, input_grad=False,
     ranked = [price(p, gi, symbols, model, training, input_grad, expected_calls, cacheable)
               for p in candidates]
     return sorted(ranked, key=lambda c: c.cost)
+
+
+def trial_candidates(ranking, margin=TRIAL_MARGIN, most=TRIAL_PLANS):
+    """The choices a measured tie-break times on the first calls (besides the layer's own
+    forward): the best predicted, then the next ones predicted within ``margin`` of it that run
+    other kernels (another composition or implementation), at most ``most`` in all."""
+    best = ranking[0]
+    picked, seen = [best], {(best.plan.composition(), best.impls)}
+    for c in ranking[1:]:
+        if c.cost > margin * best.cost or len(picked) >= most:
+            break
+        what = (c.plan.composition(), c.impls)
+        if what not in seen:
+            seen.add(what)
+            picked.append(c)
+    return picked
 
 
 def price(plan, gi, symbols, model, training, input_grad, expected_calls, cacheable=False):
@@ -156,4 +174,4 @@ def _base(arg):
     return arg.split("[", 1)[0] if isinstance(arg, str) else arg
 
 
-__all__ = ["rank", "price", "step_seconds", "Choice", "EXPECTED_CALLS", "EVERY"]
+__all__ = ["rank", "price", "trial_candidates", "TRIAL_MARGIN", "step_seconds", "Choice", "EXPECTED_CALLS", "EVERY"]

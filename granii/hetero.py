@@ -124,8 +124,8 @@ class RelIndex:
                 row, col, vid = ib, ia, torch.arange(self.E)
             else:
                 span = max(self.size[a], 1)
-                key = torch.unique(ib * span + ia)          # one scalar sort, not unique(dim=1)
-                row, col, vid = key // span, key % span, None
+                pair = torch.unique(ib * span + ia)         # one scalar sort, not unique(dim=1)
+                row, col, vid = pair // span, pair % span, None
             rows, cols = self.size[b], self.size[a]
             if expand is not None:
                 h = torch.arange(blocks)

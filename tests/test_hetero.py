@@ -141,6 +141,22 @@ def test_kernel_calls_do_not_grow_with_relations(monkeypatch):
     assert counts[0] == counts[1] and max(counts[0]) <= 3
 
 
+def test_moves_built_once_per_graph():
+    """Every move of a plan is built on the first call and reused (not rebuilt, not kept again)."""
+    g, et = rel_graph("unsorted")
+    idx = hetero.relational_index(g, et, R)
+    layer = make_layer("basis")
+    x = torch.randn(50, 8)
+    for plan in hetero.plans_for("basis")[0]:
+        hetero.run_plan(plan, idx, layer.linear_r, x, None)
+    built = dict(idx._moves)
+    for plan in hetero.plans_for("basis")[0]:
+        hetero.run_plan(plan, idx, layer.linear_r, x, None)
+    assert idx._moves.keys() == built.keys()
+    assert all(idx._moves[key] is m for key, m in built.items())
+    assert all(isinstance(key, tuple) for key in built)
+
+
 def test_move_matches_reference():
     gen = torch.Generator().manual_seed(0)
     row, col = torch.randint(0, 30, (200,), generator=gen), torch.randint(0, 40, (200,), generator=gen)

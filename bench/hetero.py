@@ -80,7 +80,7 @@ def run_case(name, g, et, reg, k, mode, rounds, log):
     wrapped = layer
     contenders["granii"] = call(lambda x: wrapped(g, x, et, presorted=True))
     idx = hetero.relational_index(g, et, R)
-    kept = hetero.runnable(hetero.plans_for(reg)[0], idx.sizes(), B or 1)
+    kept = hetero.runnable(hetero.plans_for(reg)[0], idx.sizes(), k, k, B or 1, reg)
     for plan in kept:
         contenders["plan " + hetero.plan_name(plan)] = call(
             lambda x, p=plan: hetero._rel_run(hetero.RelState("x", layer), p, idx, layer, g, x,

@@ -65,7 +65,7 @@ import weakref
 import torch
 
 from .dispatch import ORIGINAL, TRIAL_MARGIN, Dispatcher, Trial, dispatcher_of
-from .graph import graph_info
+from .graph import _physical_memory, graph_info
 from .kernels import typed
 
 SPACES = ("0", "0R", "1", "2", "3", "4")
@@ -214,8 +214,10 @@ def _crosses(a, b):
 def step_work(steps, sz, k_in, k_out, B, reg):
     """Work of each step by kind, in element counts: ``{"gemm": multiply-adds, "seg": typed
     multiply-adds, "sparse": gathered elements, "stream": elements written, "calls": kernel
-    calls}``."""
-    w = {"gemm": 0.0, "seg": 0.0, "sparse": 0.0, "stream": 0.0, "calls": 0.0, "bdd": 0.0}
+    calls}``, and ``"held"``: the elements of every step's result (what a training step keeps
+    for its backward; an upper bound of what inference holds at once)."""
+    w = {"gemm": 0.0, "seg": 0.0, "sparse": 0.0, "stream": 0.0, "calls": 0.0, "bdd": 0.0,
+         "held": 0.0}
     width, heads = k_in, 1
     for st in steps:
         kind = st[0]
@@ -229,14 +231,13 @@ def step_work(steps, sz, k_in, k_out, B, reg):
             if fold == "rows":
                 heads = B
                 w["sparse"] += nnz * B * width
-                w["stream"] += sz[b] * B * width
             elif fold == "cols":
                 w["sparse"] += nnz * B * width
                 heads = 1
-                w["stream"] += sz[b] * width
             else:
                 w["sparse"] += nnz * heads * width
-                w["stream"] += sz[b] * heads * width
+            w["stream"] += sz[b] * heads * width
+            w["held"] += sz[b] * heads * width
         elif kind == "W":
             rows = sz[st[1]]
             if reg == "bdd":
@@ -244,25 +245,28 @@ def step_work(steps, sz, k_in, k_out, B, reg):
             else:
                 w["seg"] += rows * k_in * k_out
             w["stream"] += rows * k_out
+            w["held"] += rows * k_out
             width = k_out
         elif kind == "Wall":
             rows = sz["0"]
             w["gemm"] += rows * k_in * k_out * sz["R"] / (B if reg == "bdd" else 1)
             w["stream"] += rows * k_out * sz["R"]
+            w["held"] += rows * k_out * sz["R"]
             width = k_out
         elif kind == "V":
             rows = sz[st[1]]
             w["gemm"] += rows * k_in * k_out * B
             if heads == B:          # after an expanding combine: B k_in -> k_out
                 heads, width = 1, k_out
-                w["stream"] += rows * k_out
             else:
                 heads, width = B, k_out
-                w["stream"] += rows * B * k_out
+            w["stream"] += rows * heads * width
+            w["held"] += rows * heads * width
         elif kind == "a":
             rows = sz[st[1]]
             w["stream"] += rows * B * width * 2
             heads = 1 if heads == B else B
+            w["held"] += rows * heads * width
     if reg == "basis" and any(st[0] in ("W", "Wall") for st in steps):
         w["gemm"] += sz["R"] * B * k_in * k_out
         w["calls"] += 1
@@ -501,11 +505,13 @@ class RelState:
             mark = "  <- chosen" if q == chosen else ""
             p(f"    {c * 1e3:9.3f} ms  {plan_name(q)}{mark}")
         for q in kept:
-            if q not in dict(ranking):
-                p(f"    not run: {plan_name(q)} (its folded coefficients would keep E x B = "
-                  f"{index_entries(q, sizes, lin.num_bases):,} index entries per graph)")
+            why = not_runnable(q, sizes, lin.in_size, lin.out_size,
+                               getattr(lin, "num_bases", 1), reg)
+            if why:
+                p(f"    not run: {plan_name(q)} ({why})")
         if chosen == ORIGINAL:
-            p("  kept DGL's forward (measured fastest)")
+            p("  kept DGL's forward (measured fastest)" if ranking else
+              "  no composition can run on this input: DGL's forward runs")
         if self.tuned:
             times, kept_label = self.tuned
             p("  measured on the first calls (fastest call): " + ", ".join(
@@ -638,6 +644,7 @@ def rel_dispatch(state, options, layer, args, kwargs):
 
 
 INDEX_ENTRIES_LIMIT = 1 << 24
+INTERMEDIATE_BYTES_LIMIT = _physical_memory() // 4
 
 
 def index_entries(plan, sizes, B):
@@ -646,16 +653,40 @@ def index_entries(plan, sizes, B):
     return sizes["E"] * B if any(st[0] == "move" and st[3] for st in lower(plan)) else 0
 
 
-def runnable(plans, sizes, B):
-    """The plans whose per-graph index fits ``INDEX_ENTRIES_LIMIT`` (on BGS-sized graphs with 40
-    bases the folded moves would keep several GB)."""
-    return [p for p in plans if index_entries(p, sizes, B) <= INDEX_ENTRIES_LIMIT]
+def intermediate_bytes(plan, sizes, k_in, k_out, B, reg):
+    """Bytes of the float32 results of every step of ``plan`` (``step_work``'s ``held``)."""
+    return 4 * step_work(lower(plan), space_sizes(sizes), k_in, k_out, B, reg)["held"]
+
+
+def not_runnable(plan, sizes, k_in, k_out, B, reg):
+    """Why ``plan`` is not run on these sizes, or ``None``: its folded coefficients would keep
+    more than ``INDEX_ENTRIES_LIMIT`` index entries per graph (BGS-sized graphs with 40 bases:
+    several GB), or its intermediate results would take more than ``INTERMEDIATE_BYTES_LIMIT``
+    (a quarter of the machine's memory; e.g. every node under every relation on AM-sized
+    graphs)."""
+    n = index_entries(plan, sizes, B)
+    if n > INDEX_ENTRIES_LIMIT:
+        return f"its folded coefficients would keep E x B = {n:,} index entries per graph"
+    nb = intermediate_bytes(plan, sizes, k_in, k_out, B, reg)
+    if nb > INTERMEDIATE_BYTES_LIMIT:
+        return (f"its intermediate results would take {nb / 2**30:.1f} GiB (limit "
+                f"{INTERMEDIATE_BYTES_LIMIT / 2**30:.1f} GiB, a quarter of this machine's memory)")
+    return None
+
+
+def runnable(plans, sizes, k_in, k_out, B, reg):
+    """The plans ``not_runnable`` lets run."""
+    return [p for p in plans if not_runnable(p, sizes, k_in, k_out, B, reg) is None]
 
 
 def _rel_decide(state, options, idx, lin, mode, is_block):
     B = getattr(lin, "num_bases", 1)
-    kept = runnable(plans_for(lin.regularizer)[0], idx.sizes(), B)
     sizes = idx.sizes()
+    kept = runnable(plans_for(lin.regularizer)[0], sizes, lin.in_size, lin.out_size, B,
+                    lin.regularizer)
+    if not kept:
+        state.last = (sizes, mode, [], ORIGINAL)
+        return (ORIGINAL, ORIGINAL)
     ranking = sorted(((p, plan_cost(p, sizes, lin.in_size, lin.out_size, B, lin.regularizer,
                                     mode[0])) for p in kept), key=lambda t: t[1])
     best = ranking[0]

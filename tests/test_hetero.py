@@ -243,6 +243,27 @@ def test_unsupported_input_runs_dgl():
     assert "float32" in granii.explain(layer, file=open("/dev/null", "w"))
 
 
+def test_plans_over_the_memory_limit_not_run(monkeypatch):
+    g, et = rel_graph("unsorted")
+    idx = hetero.relational_index(g, et, R)
+    kept = hetero.plans_for(None)[0]
+    held = {p: hetero.intermediate_bytes(p, idx.sizes(), 8, 6, None, None) for p in kept}
+    every_rel = (("W", "0R"),)
+    assert max(held, key=held.get) == every_rel           # every node under every relation
+    for limit, expect in ((held[every_rel] - 1, "not run: W@N_src x R (its intermediate"),
+                          (0, "no composition can run on this input")):
+        monkeypatch.setattr(hetero, "INTERMEDIATE_BYTES_LIMIT", limit)
+        runs = hetero.runnable(kept, idx.sizes(), 8, 6, None, None)
+        assert every_rel not in runs and len(runs) == (len(kept) - 1 if limit else 0)
+        layer = make_layer(None)
+        ref = copy.deepcopy(layer)
+        x = torch.randn(50, 8, requires_grad=True)
+        granii(layer, g, x.detach(), extra_args=(et,))
+        out = layer(g, x, et)
+        assert_close(out, ref(g, x, et), f"limit {limit}")
+        assert expect in granii.explain(layer, file=open("/dev/null", "w"))
+
+
 def test_generated_rgcn_graph():
     hg = hetero_graphs.generate("aifb", scale=0.05, seed=1)
     g, et = hetero_graphs.relational(hg, shuffle=True)

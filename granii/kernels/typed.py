@@ -58,7 +58,7 @@ class _MoveFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, val, m):
         indptr, indices, vperm, _ = m.csr()
-        v = None if val is None else val.index_select(0, vperm).contiguous()
+        v = None if val is None else _values_in_csr_order(val, vperm)
         ctx.m = m
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, val)
         return torch.ops.granii.spmm_csr(indptr, indices, x, v)
@@ -75,6 +75,14 @@ class _MoveFn(torch.autograd.Function):
             indptr, indices, _, vperm_i = m.csr()
             dval = torch.ops.granii.sddmm_dot_csr(indptr, indices, vperm_i, dy, x.contiguous())
         return dx, dval, None
+
+
+def _values_in_csr_order(val, vperm):
+    """``val[vperm]`` (``(nnz, H)``); with one value per entry as a flat gather (torch's
+    two-dimensional ``index_select`` copies row by row: several times slower at H = 1)."""
+    if val.shape[1] == 1:
+        return val.reshape(-1).index_select(0, vperm).reshape(-1, 1)
+    return val.index_select(0, vperm).contiguous()
 
 
 class _Transposed:
@@ -140,7 +148,7 @@ class _SegmentGemm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             r, k_in, k_out = w.shape
             m = _weight_grad_move(seglen, k_in)
-            dw = move(m, dy, x.reshape(-1, 1)).reshape(r, k_in, k_out)
+            dw = move(m, dy, x.t().contiguous().reshape(-1, 1)).reshape(r, k_in, k_out)
         return dx, dw, None
 
 
@@ -149,18 +157,20 @@ _DW_MOVES = {}
 
 def _weight_grad_move(seglen, k_in):
     """``M`` with ``M[(r, a), i] = X[i, a]`` for row ``i`` of segment ``r``: ``M dY`` stacks
-    ``X_r^T dY_r`` for every relation (values: ``X`` flattened, read by index ``i k_in + a``)."""
+    ``X_r^T dY_r`` for every relation (values: ``X^T`` flattened, read by index ``a n + i``, so
+    each row of ``M`` reads its values in order)."""
     key = (tuple(seglen.tolist()), k_in)
     m = _DW_MOVES.get(key)
     if m is None:
-        if len(_DW_MOVES) > 64:
+        if len(_DW_MOVES) > 16:
             _DW_MOVES.clear()
         n = int(seglen.sum())
         rel = torch.repeat_interleave(torch.arange(seglen.numel()), seglen)
         a = torch.arange(k_in)
         row = (rel.reshape(-1, 1) * k_in + a).reshape(-1)
         col = torch.arange(n).repeat_interleave(k_in)
-        m = _DW_MOVES[key] = Move(row, col, seglen.numel() * k_in, n, torch.arange(n * k_in))
+        vid = (a.reshape(1, -1) * n + torch.arange(n).reshape(-1, 1)).reshape(-1)
+        m = _DW_MOVES[key] = Move(row, col, seglen.numel() * k_in, n, vid)
     return m
 
 

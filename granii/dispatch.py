@@ -30,7 +30,7 @@ from .enumerate import TooManyTrees, binary_orders, layer_forest
 from .fuse import fused_variants
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .frontend.rules import config_summary
-from .graph import graph_info
+from .graph import graph_info, known_info
 from .memory import plan_memory
 from .plan import COMPUTED, REUSE, compile_plan, fuse_gemm_add, lower, tree_calls
 from .prune import prune
@@ -89,6 +89,7 @@ class LayerState:
     chosen: dict = field(default_factory=dict)       # decision_key -> the plan kept (saved)
     last_failure: Exception = None                   # the variant that failed on this call
     params: tuple = None                             # (names, defaults, all plain) of forward
+    fast: object = field(default_factory=weakref.WeakKeyDictionary)  # GraphInfo -> {guard: FastEntry}
 
 
 def new_state(layer, name=None):
@@ -140,6 +141,17 @@ def dispatch(state, options, layer, args, kwargs):
     if state is None:            # unpickled: the state is made on the first call
         disp = layer.__dict__["forward"]
         state = disp.state = new_state(layer, disp._name)
+    guard = call_guard(layer, args, kwargs)
+    if guard is not None:
+        hit = _fast_hit(state, options, layer, guard, args, kwargs)
+        if hit is not None:
+            return _fast_run(state, options, layer, hit, args, kwargs)
+    return _dispatch(state, options, layer, args, kwargs, guard)
+
+
+def _dispatch(state, options, layer, args, kwargs, guard):
+    """The normal path: bind the call, find or make the decision, run it; then keep the fast
+    path of the call when it can be proven on later calls (``guard`` is ``None`` when not)."""
     shape = _call_shape(args, kwargs)
     known = state.fallbacks.get(shape)
     if known is not None and _config_holds(known, layer):
@@ -156,7 +168,8 @@ def dispatch(state, options, layer, args, kwargs):
         if isinstance(variant, Exception) and getattr(variant, "spec", None) == []:
             state.fallbacks[shape] = variant     # the same reason holds for every such call
         return original_forward(layer, args, kwargs)
-    mode = (call.training, call.input_grad, call.input_repeats, torch.get_num_threads())
+    mode = (call.training, call.input_grad, call.input_repeats, torch.get_num_threads(),
+            torch.are_deterministic_algorithms_enabled())
     per_graph = state.decisions.get(call.gi)
     if per_graph is None:
         per_graph = state.decisions[call.gi] = {}
@@ -180,7 +193,10 @@ def dispatch(state, options, layer, args, kwargs):
     if isinstance(decision, Trial):
         return _trial_call(state, per_graph, dkey, decision, call, layer, args, kwargs)
     label, fn, order = decision[:3]
-    return _run(state, dkey, label, fn, order, call, layer, args, kwargs)
+    out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
+    if guard is not None and (fn is None or (dkey, label) in state.verified):
+        _remember(state, layer, guard, call, (label, fn, order), args, kwargs)
+    return out
 
 
 def _run(state, dkey, label, fn, order, call, layer, args, kwargs):
@@ -211,6 +227,317 @@ def _run(state, dkey, label, fn, order, call, layer, args, kwargs):
     state.calls += 1
     state.fallback = None
     return out
+
+
+# -- the fast path -----------------------------------------------------------------------------------
+# A call whose decision ran the normal way leaves a ``FastEntry`` behind, kept per graph and per
+# call guard; a later call with the same guard on the same graph runs that decision after a few
+# identity and shape checks, without binding, checking sizes or looking the decision up again.
+_GRAD = 0                # where ``torch.is_grad_enabled()`` is in a call guard
+_PLAIN = (type(None), bool, int, float, str)
+_FAST_ENTRIES = 32       # fast entries kept per (layer, graph): guards beyond that are rare
+
+
+def call_guard(layer, args, kwargs):
+    """What a call's fast path is keyed by, or ``None`` when the call cannot have one.
+
+    ``(grad mode, inference mode, threads, deterministic algorithms, layer.training, number of
+    positional arguments, the guard of each argument after the graph, then each keyword with its
+    guard)``. A tensor's guard is its type, shape, dtype, device and ``requires_grad``; a plain
+    value's (``None``, bool, int, float, str) its type and ``repr`` (what the normal path keys a
+    call signature by); other values have none. The graph is not in it: fast entries are kept per
+    ``GraphInfo``, which is new for a new graph and for a graph edited in place."""
+    if not args:
+        return None
+    parts = [torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+             torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+             layer.training, len(args)]
+    for a in args[1:]:
+        g = _value_guard(a)
+        if g is None:
+            return None
+        parts.append(g)
+    for k, v in kwargs.items():
+        g = _value_guard(v)
+        if g is None:
+            return None
+        parts += (k, g)
+    return tuple(parts)
+
+
+def _value_guard(v):
+    if isinstance(v, torch.Tensor):
+        return (type(v), v.shape, v.dtype, v.device, v.requires_grad)
+    if type(v) in _PLAIN:
+        return (type(v), repr(v))
+    return None
+
+
+class _Stale(Exception):
+    """A fast entry's assumption does not hold for this call: the normal path runs."""
+
+
+@dataclass
+class FastEntry:
+    """What a call on one graph with one guard needs to run its decision again.
+
+    ``reads``: the module attributes the call depends on (configuration, parameters and the
+    submodules holding them), as an ``AttributeProgram``. ``same``: ``(slot, object)`` for each
+    configuration attribute the compiled variant assumed, as found after a call that checked
+    them; the entry holds while each is the same object (re-assigned, even to an equal value,
+    the normal path checks it and makes a new entry). ``shapes``: ``(slot, shape)`` of each
+    parameter read: the decision was made for those sizes. ``leaves``: ``(variable, reader)``
+    of every operand of the plans, each read live on every call (parameters are the module's
+    tensors of this call, however an optimizer, ``load_state_dict`` or an assignment changed
+    them). ``runs``: the decision ``(label, fn, leaf order)`` per ``(training, input
+    repeats)``, the part of a decision's mode the guard does not fix."""
+    compiled: object
+    reads: object
+    same: list
+    shapes: list
+    leaves: list
+    feat: object                                     # reader of the features argument
+    runs: dict = field(default_factory=dict)
+
+    def bind(self, layer, gi, args, kwargs):
+        """``{variable: value}`` of this call, or ``None`` when an attribute is not the object
+        it was, a parameter or an edge value changed shape, or something cannot be read."""
+        try:
+            objs = self.reads.run(layer)
+            for slot, obj in self.same:
+                if objs[slot] is not obj:
+                    return None
+            for slot, shape in self.shapes:
+                if objs[slot].shape != shape:
+                    return None
+            return {var: read(objs, gi, args, kwargs) for var, read in self.leaves}
+        except Exception:        # noqa: BLE001 - whatever fails here, the normal path decides
+            return None
+
+
+class AttributeProgram:
+    """Reading several dotted attribute paths of a module at once, each prefix once.
+
+    Each step ``(source slot, name, store, class)`` reads ``name`` on the object in ``source
+    slot`` into the next slot (slot 0 is the module), where ``_get`` found it when the program was
+    made: ``""`` the instance dictionary, ``"_parameters"``, ``"_buffers"`` or ``"_modules"``, or
+    ``None`` for a plain ``getattr`` (a name the class defines, or an object that is no module).
+    A step raises ``_Stale`` when the object is of another class or, for a module store, when
+    the instance dictionary has the name too (it would take precedence); ``nn.Module``'s own
+    assignments keep a name in one store, and moving it leaves the old store without it."""
+
+    def __init__(self, module, paths):
+        self.steps, self.slot = [], {(): 0}
+        objs = [module]
+        for parts in paths:
+            for i in range(1, len(parts) + 1):
+                if parts[:i] in self.slot:
+                    continue
+                parent = objs[self.slot[parts[:i - 1]]]
+                name = parts[i - 1]
+                self.steps.append((self.slot[parts[:i - 1]], name, _store_of(parent, name),
+                                   type(parent)))
+                self.slot[parts[:i]] = len(objs)
+                objs.append(_get(parent, name))
+
+    def run(self, module):
+        objs = [module]
+        for src, name, store, cls in self.steps:
+            obj = objs[src]
+            if type(obj) is not cls:
+                raise _Stale
+            if store is None:
+                objs.append(getattr(obj, name))
+                continue
+            d = obj.__dict__
+            if not store:
+                objs.append(d[name])
+            elif name in d:
+                raise _Stale
+            else:
+                objs.append(d[store][name])
+        return objs
+
+
+def _store_of(obj, name):
+    """Where ``_get`` finds ``obj.<name>``: see ``AttributeProgram``."""
+    cls = type(obj)
+    if hasattr(cls, name) or not isinstance(obj, torch.nn.Module):
+        return None
+    d = obj.__dict__
+    if name in d:
+        return ""
+    return next((s for s in ("_parameters", "_buffers", "_modules") if name in d[s]), None)
+
+
+def _fast_hit(state, options, layer, guard, args, kwargs):
+    """``(gi, leaf values, (label, fn, order))`` when this call's fast entry holds, else ``None``."""
+    gi = known_info(args[0])
+    if gi is None:
+        return None
+    table = state.fast.get(gi)
+    entry = table.get(guard) if table else None
+    if entry is None:
+        return None
+    vals = entry.bind(layer, gi, args, kwargs)
+    if vals is None:
+        return None
+    training = guard[_GRAD] and _any_requires_grad(layer)
+    feat = entry.feat(None, gi, args, kwargs)
+    ident = input_identity(feat) if options.reuse_inputs else None
+    run = entry.runs.get((training, _repeats(state, feat, ident)))
+    if run is None:
+        return None
+    state.last_input = None if ident is None else (weakref.ref(feat), ident)
+    return gi, vals, run
+
+
+def _fast_run(state, options, layer, hit, args, kwargs):
+    gi, vals, (label, fn, order) = hit
+    REUSE["inputs"] = options.reuse_inputs
+    state.calls += 1
+    state.fallback = None
+    if fn is None:
+        return original_forward(layer, args, kwargs)
+    return fn(gi, layer, *[vals[v] for v in order])
+
+
+def _remember(state, layer, guard, call, run, args, kwargs):
+    """Keep ``run`` (a verified decision, just run the normal way) as this call's fast path.
+
+    Not on the first call on a graph: a sampled block is called once, and would only pay for
+    an entry it never uses."""
+    table = state.fast.get(call.gi)
+    if table is None:
+        state.fast[call.gi] = {}
+        return
+    entry = table.get(guard)
+    if entry is None or entry.compiled is not call.compiled or \
+            entry.bind(layer, call.gi, args, kwargs) is None:
+        table.pop(guard, None)
+        entry = _fast_entry(state, layer, call, len(args), kwargs)
+        if entry is None:
+            return
+        if len(table) >= _FAST_ENTRIES:
+            table.clear()
+        table[guard] = entry
+    entry.runs[(call.training, call.input_repeats)] = run
+
+
+def _fast_entry(state, layer, call, n_args, kwargs):
+    """A ``FastEntry`` for this call, or ``None`` when the normal path's checks cannot all be
+    replaced by the entry's: a forward with ``*args`` or keyword-only parameters, a check that
+    reads more than the graph, an attribute that no longer has the value the variant assumed
+    (a plan that stores one, as SGConv's cache), or an operand of a kind it does not know."""
+    names, defaults, simple = state.params
+    compiled = call.compiled
+    if not simple or not _checks_once_per_graph(compiled.layer_ir, names, layer):
+        return None
+    checks = _config_checks(compiled)
+    params = {v: _parts(l.source[1]) for v, l in compiled.leaves.items()
+              if l.source[0] in ("param", "param_block", "headdiag")}
+    reads = AttributeProgram(layer, [p for p, _, _ in checks] + list(params.values()))
+    objs = reads.run(layer)
+    same = []
+    for parts, want_id, want in checks:
+        if not _config_value_holds(objs[reads.slot[parts]], want_id, want):
+            return None
+        same.append((reads.slot[parts], objs[reads.slot[parts]]))
+    shapes = {reads.slot[p]: objs[reads.slot[p]].shape for p in params.values()}
+    place = _places(names, defaults, n_args, kwargs)
+    leaves = []
+    for var, leaf in compiled.leaves.items():
+        if leaf.source[0] in COMPUTED:
+            continue
+        read = _leaf_reader(compiled, var, leaf, place, reads.slot.get(params.get(var)),
+                            getattr(call.leaf_vals[var], "shape", None))
+        if read is None:
+            return None
+        leaves.append((var, read))
+    return FastEntry(compiled, reads, same, list(shapes.items()), leaves,
+                     _arg_reader(names[1], place))
+
+
+def _checks_once_per_graph(lir, names, module):
+    """Whether every check of a variant (the conditions it branched on, the layer's own guards)
+    reads the graph alone (a guard also the module): those the normal path evaluates once per
+    graph, so holding once for a graph they hold for every call on it."""
+    graph_name = names[0]
+    if any(not set(reads) <= {graph_name} for _, reads, _ in lir.spec):
+        return False
+    module_globals = type(module).forward.__globals__
+    for _, reads in lir.guards:
+        if not {n for n in reads if n in names or n not in module_globals} <= {graph_name, "self"}:
+            return False
+    return True
+
+
+def _places(names, defaults, n_args, kwargs):
+    """Where each forward() parameter's value is in a call: ``("pos", i)``, ``("kw", name)`` or
+    ``("default", value)``."""
+    place = {}
+    for i, n in enumerate(names):
+        if i < n_args:
+            place[n] = ("pos", i)
+        elif n in kwargs:
+            place[n] = ("kw", n)
+        else:
+            place[n] = ("default", defaults[n])
+    return place
+
+
+def _arg_reader(name, place, shape=None):
+    """A function of ``(attribute slots, gi, args, kwargs)`` reading a forward() argument, or
+    ``srcdata:h`` / ``edata:w`` from the graph, which must have ``shape`` (a frame's value can
+    be replaced by one of another size; an argument's shape is in the call guard)."""
+    if ":" in name:
+        frame, key = name.split(":", 1)
+
+        def from_graph(objs, gi, a, k):
+            v = getattr(a[0], frame)[key]
+            if v.shape != shape:
+                raise _Stale
+            return v
+        return from_graph
+    where, at = place[name]
+    if where == "pos":
+        return lambda objs, gi, a, k: a[at]
+    if where == "kw":
+        return lambda objs, gi, a, k: k[at]
+    return lambda objs, gi, a, k: at
+
+
+def _leaf_reader(compiled, var, leaf, place, slot, shape):
+    """A function reading one leaf's value as ``_bind`` does (``shape``: its shape in the call
+    the entry was made from), or ``None`` for a kind it does not know."""
+    kind = leaf.source[0]
+    if kind in ("arg", "edge"):
+        return _arg_reader(leaf.source[1], place, shape)
+    if kind == "arg_dst":
+        if ":" in leaf.source[1]:
+            return None
+        arg = _arg_reader(leaf.source[1], place)
+        return lambda objs, gi, a, k: arg(objs, gi, a, k)[: gi.num_dst]
+    if kind not in ("param", "param_block"):
+        return None
+    if kind == "param_block" or leaf.transposed:
+        return lambda objs, gi, a, k: _view(compiled, var, leaf, objs[slot])
+    return lambda objs, gi, a, k: objs[slot]
+
+
+def _repeats(state, feat, ident):
+    """Whether ``feat`` is the previous call's features, unchanged: the same object (held by
+    weak reference) with the same storage and version (``ident``, ``None`` when not tracked)."""
+    last = state.last_input
+    return ident is not None and last is not None and last[0]() is feat and last[1] == ident
+
+
+def _any_requires_grad(module):
+    """``any(p.requires_grad for p in module.parameters())``, without building the generator."""
+    for p in module._parameters.values():
+        if p is not None and p.requires_grad:
+            return True
+    return any(m is not None and _any_requires_grad(m) for m in module._modules.values())
 
 
 # -- deciding ----------------------------------------------------------------------------------------
@@ -393,11 +720,10 @@ def prepare(state, module, args, kwargs, reuse_inputs=True):
     _run_guards(state, compiled.layer_ir, gi, values, module)
     leaf_vals, (symbols, sym_key) = _bind(state, compiled, gi, values, module)
     grad = torch.is_grad_enabled()
-    training = grad and any(p.requires_grad for p in module.parameters())
+    training = grad and _any_requires_grad(module)
     input_grad = grad and feat.requires_grad
     ident = input_identity(feat) if reuse_inputs else None
-    last = state.last_input
-    repeats = ident is not None and last is not None and last[0]() is feat and last[1] == ident
+    repeats = _repeats(state, feat, ident)
     state.last_input = None if ident is None else (weakref.ref(feat), ident)
     return Call(compiled, gi, leaf_vals, symbols, (id(compiled),) + key, training, input_grad,
                 module, repeats, sym_key)
@@ -474,12 +800,7 @@ def attribute(obj, dotted):
     A module's parameters, buffers and submodules are read from its dictionaries directly (what
     ``nn.Module.__getattr__`` does after a failed ordinary lookup), unless its class defines the
     name."""
-    parts = _ATTR_PATHS.get(dotted)
-    if parts is None:
-        parts = _ATTR_PATHS[dotted] = tuple(dotted.split("."))
-    for part in parts:
-        obj = _get(obj, part)
-    return obj
+    return _walk(obj, _parts(dotted))
 
 
 def _get(obj, name):
@@ -500,27 +821,49 @@ def _get(obj, name):
     return getattr(obj, name)
 
 
-def _holds(variant, module, values, gi):
-    spec, config = ((variant.layer_ir.spec, variant.layer_ir.config)
-                    if isinstance(variant, Compiled) else
-                    (getattr(variant, "spec", []), getattr(variant, "config", {})))
+def _parts(dotted):
+    parts = _ATTR_PATHS.get(dotted)
+    if parts is None:
+        parts = _ATTR_PATHS[dotted] = tuple(dotted.split("."))
+    return parts
+
+
+def _walk(obj, parts):
+    for part in parts:
+        obj = _get(obj, part)
+    return obj
+
+
+def _config_checks(variant):
+    """``[(path parts, id or None, summary)]`` of the module attributes a variant assumed (made
+    once per variant): attributes holding an object are checked by identity, the others by
+    ``config_summary``."""
     checks = getattr(variant, "config_checks", None)
     if checks is None:
+        config = (variant.layer_ir.config if isinstance(variant, Compiled)
+                  else getattr(variant, "config", {}))
         checks = variant.config_checks = [
-            (_ATTR_PATHS.setdefault(a, tuple(a.split("."))),
-             v[1] if isinstance(v, tuple) and len(v) == 2 and v[0] == "object" else None, v)
+            (_parts(a), v[1] if isinstance(v, tuple) and len(v) == 2 and v[0] == "object" else None,
+             v)
             for a, v in config.items()]
-    for parts, want_id, want in checks:
-        now = module
+    return checks
+
+
+def _config_value_holds(now, want_id, want):
+    if want_id is not None:
+        return id(now) == want_id
+    return now is want or config_summary(now) == want
+
+
+def _holds(variant, module, values, gi):
+    spec = (variant.layer_ir.spec if isinstance(variant, Compiled)
+            else getattr(variant, "spec", []))
+    for parts, want_id, want in _config_checks(variant):
         try:
-            for part in parts:
-                now = _get(now, part)
+            now = _walk(module, parts)
         except AttributeError:
             return False
-        if want_id is not None:
-            if id(now) != want_id:
-                return False
-        elif now is not want and config_summary(now) != want:
+        if not _config_value_holds(now, want_id, want):
             return False
     graph_name = next(iter(values))
     ns = None

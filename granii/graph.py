@@ -112,13 +112,17 @@ class GraphInfo:
     def memo(self, key, compute):
         """``cache[key]``, computed by ``compute()`` on first use. Under ``torch.inference_mode``
         it is computed as an ordinary tensor, so calls outside inference mode can use it too."""
-        if key not in self.cache:
-            if torch.is_inference_mode_enabled():
-                with torch.inference_mode(False), torch.no_grad():
-                    self.cache[key] = compute()
-            else:
-                self.cache[key] = compute()
-        return self.cache[key]
+        try:
+            return self.cache[key]
+        except KeyError:
+            pass
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():
+                value = compute()
+        else:
+            value = compute()
+        self.cache[key] = value
+        return value
 
     def csr_in(self):
         """``(indptr, src_indices, eids)``: ``A`` with one row per destination node."""
@@ -163,6 +167,18 @@ def graph_info(g):
     if info is None or info.index is not g._graph:
         info = GraphInfo(g)
         _INFOS[g] = info
+    return info
+
+
+def known_info(g):
+    """The ``GraphInfo`` of ``g`` if it has one and its structure was not edited since; else
+    ``None``, creating nothing (any object may be asked)."""
+    try:
+        info = _INFOS.get(g)
+    except TypeError:            # not weakly referenceable: not a graph granii has seen
+        return None
+    if info is None or info.index is not getattr(g, "_graph", None):
+        return None
     return info
 
 

@@ -91,6 +91,49 @@ def test_every_plan_gives_dgl(reg, kind):
                 assert_close(got_g[n], want_g[n], f"{what}: gradient of {n}", RTOL_GRAD)
 
 
+def typed_hetero_graph():
+    """``(g, etypes)`` of a heterograph made homogeneous: node type ``lone`` isolated, relation
+    ``empty`` without edges, ``cites`` holding nine edges in ten, edge types sorted."""
+    gen = torch.Generator().manual_seed(4)
+    r = lambda n, m: torch.randint(0, n, (m,), generator=gen)
+    none = torch.tensor([], dtype=torch.long)
+    hg = dgl.heterograph({
+        ("paper", "cites", "paper"): (r(30, 450), r(30, 450)),
+        ("author", "writes", "paper"): (r(10, 40), r(30, 40)),
+        ("paper", "empty", "author"): (none, none),
+        ("paper", "written-by", "author"): (r(30, 10), r(8, 10)),
+    }, num_nodes_dict={"paper": 30, "author": 10, "lone": 6})
+    g = dgl.to_homogeneous(hg)
+    et = g.edata[dgl.ETYPE].long()
+    lone = g.ndata[dgl.NTYPE] == hg.ntypes.index("lone")
+    empty = hg.canonical_etypes.index(("paper", "empty", "author"))
+    assert lone.sum() == 6 and (g.in_degrees()[lone] + g.out_degrees()[lone]).sum() == 0
+    assert (et == empty).sum() == 0 and (et[1:] >= et[:-1]).all()
+    return dgl.graph(g.edges(order="eid"), num_nodes=g.num_nodes()), et
+
+
+@pytest.mark.parametrize("reg", [None, "basis", "bdd"])
+def test_every_plan_on_typed_graph(reg):
+    """Isolated node type, an empty relation, one dominant relation: every composition, kept
+    and pruned, gives DGL's outputs and gradients (both of DGL's paths: the types are sorted)."""
+    g, et = typed_hetero_graph()
+    kept, pruned = hetero.plans_for(reg)
+    idx = hetero.relational_index(g, et, R)
+    for presorted in (False, True):
+        layer = make_layer(reg)
+        x = torch.randn(g.num_nodes(), 8, requires_grad=True)
+        want = layer(g, x, et, presorted=presorted)
+        want_g = grads(layer, x, want)
+        for plan in list(kept) + list(pruned):
+            out = hetero._rel_run(hetero.RelState("l", layer), plan, idx, layer, g, x, et, None,
+                                  presorted, (), {})
+            what = f"{reg} presorted={presorted} {hetero.plan_name(plan)}"
+            assert_close(out, want, what)
+            got_g = grads(layer, x, out)
+            for n in want_g:
+                assert_close(got_g[n], want_g[n], f"{what}: gradient of {n}", RTOL_GRAD)
+
+
 def test_norm_gradient():
     g, et = rel_graph("unsorted")
     layer = make_layer("basis")

@@ -73,7 +73,7 @@ def concrete_dims(sig, symbols):
     """The ``dims`` dict of a step's signature, its size symbols replaced by their values."""
     prim, _, sizes = sig
     vals = [s if isinstance(s, (int, float)) else size_value(s, symbols) for s in sizes]
-    if prim == "gemm":
+    if prim in ("gemm", "head_dot"):
         return {"m": vals[0], "k": vals[1], "n": vals[2]}
     if prim.startswith("spmm"):
         return {"n": symbols.get("N_dst", symbols.get("N")), "k": vals[1]}

@@ -170,6 +170,9 @@ def lower(index, root, choice, scenarios=(), heads=None):
             args = (edge_values(n.parts[0]), names[n.parts[1]])
         else:
             args = (names[n.parts[0]], names[n.parts[1]])
+        if n.prim == "gemm" and _is_head_diag(n.parts[1]):
+            sig = signature(n)
+            return emit(n, "head_dot", args, when, str(n), ("head_dot",) + sig[1:], _inputs(lv))
         return emit(n, n.prim, args, when, str(n), signature(n), _inputs(lv))
 
     def edge_values(adj):
@@ -189,6 +192,12 @@ def lower(index, root, choice, scenarios=(), heads=None):
         value(n)
     plan.out = value(root)
     return plan
+
+
+def _is_head_diag(n):
+    """``n`` is the ``blockdiag(a_1 .. a_H)`` of an attention parameter: a product with it is a
+    dot product per head (``head_dot``), H times fewer multiply-adds than the dense GEMM."""
+    return isinstance(n, ir.Leaf) and n.source[0] == "headdiag"
 
 
 def _impure_applies(root, choice):
@@ -244,7 +253,7 @@ def ir_leaves(n):
 
 def _call(step, impl):
     fn = f"{step.prim}_{impl}"
-    graph_first = step.prim not in ("gemm", "row_scale", "diag_mul")
+    graph_first = step.prim not in ("gemm", "head_dot", "row_scale", "diag_mul")
     args = (["gi"] if graph_first else []) + [a if a is not None else "None" for a in step.args]
     return f"{fn}({', '.join(args)})"
 

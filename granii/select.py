@@ -136,6 +136,10 @@ def _predict(model, prim, impl, gi, dims, heads, phase="forward"):
     ``heads`` values per edge on rows of ``k / heads``: the same multiply-adds)."""
     if heads > 1 and prim in ("sddmm_add", "edge_softmax", "gat_aggregate"):
         dims = dict(dims, heads=heads)
+    if prim == "head_dot":       # one pass over X, as a row scaling of it (no model of its own)
+        prim, impl, dims = "row_scale", "torch", {"n": dims["m"], "k": dims["k"]}
+        if phase != "forward":
+            return None
     if phase == "forward":
         return model.predict(prim, impl, gi, dims)
     train = getattr(model, "predict_train", None)

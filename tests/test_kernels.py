@@ -118,6 +118,23 @@ def test_gemm(primitive, impl):
     _check(kernels.get(primitive, impl), lambda x, w: x @ w, [torch.randn(7, 5), torch.randn(5, 3)])
 
 
+@pytest.mark.parametrize("heads,width", [(1, 5), (4, 3), (8, 1)])
+def test_head_dot_is_the_product_with_the_block_diagonal(heads, width):
+    """``X blockdiag(a_1 .. a_H)`` per head, with the gradients of ``X`` and of ``a`` (through
+    the block diagonal, as GAT's plans build it), in float64 with gradcheck."""
+    torch.manual_seed(2)
+    x = torch.randn(6, heads * width, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(heads, width, dtype=torch.float64, requires_grad=True)
+    head_dot = kernels.get("head_dot", "torch")
+
+    def via(fn):
+        return lambda x, a: fn(x, torch.block_diag(*a.reshape(heads, width, 1)))
+    got, want = via(head_dot)(x, a), via(torch.mm)(x, a)
+    assert got.shape == (6, heads)
+    torch.testing.assert_close(got, want)
+    assert torch.autograd.gradcheck(via(head_dot), (x, a))
+
+
 @pytest.mark.parametrize("primitive,impl", _impls("row_scale"))
 @pytest.mark.parametrize("tail", [(6,), (3, 4)])
 def test_row_scale(primitive, impl, tail):

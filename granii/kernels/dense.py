@@ -15,6 +15,17 @@ def gemm_torch(x, w, c=None):
     return torch.addmm(c, x, w)
 
 
+@register("head_dot", "torch")
+def head_dot_torch(x, d):
+    """``Y = X blockdiag(a_1 .. a_H)`` for ``d`` that block diagonal (H F x H), ``X`` (n, H F):
+    ``Y[i, h] = sum_f X[i, h F + f] a_h[f]``, a dot product per head (GAT's attention scores):
+    F multiply-adds per output instead of the dense product's H F. ``a`` is read off ``d`` (each
+    of its rows holds one entry), so gradients reach the attention parameter through ``d``."""
+    heads = d.shape[1]
+    a = d.sum(1).reshape(heads, -1)
+    return (x.reshape(x.shape[0], heads, -1) * a).sum(-1)
+
+
 @register("row_scale", "torch")
 def row_scale_torch(d, x):
     """``Y = diag(d) X``: ``Y[i] = d_i X[i]`` for ``d`` of shape ``(n,)``, ``X`` ``(n, ...)``."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from granii import granii
 from granii.api import layer_states
+from granii.dispatch import new_state, prepare
 from granii.frontend import lower_layer
 from graphs import GRAPHS, edge_weights
 from plan_check import check_all_plans
@@ -121,6 +122,65 @@ class UDFGATLayer(nn.Module):
             return g.ndata["h"]
 
 
+class UDFIndexedGATLayer(nn.Module):
+    """One-head GAT as tutorials write it: attention parameters of shape (1, 1, F) indexed,
+    scores by an element-wise product summed over the features, a bias."""
+
+    def __init__(self, k_in, k_out):
+        super().__init__()
+        self.fc = nn.Linear(k_in, k_out, bias=False)
+        self.attn_l = nn.Parameter(torch.randn(1, 1, k_out) * 0.3)
+        self.attn_r = nn.Parameter(torch.randn(1, 1, k_out) * 0.3)
+        self.bias = nn.Parameter(torch.randn(k_out) * 0.1)
+
+    def forward(self, g, h):
+        with g.local_scope():
+            z = self.fc(h)
+            g.ndata["z"] = z
+            g.ndata["el"] = (z * self.attn_l[0]).sum(-1, keepdim=True)
+            g.ndata["er"] = torch.sum(self.attn_r[0] * z, dim=1, keepdim=True)
+            g.apply_edges(lambda e: {"e": F.leaky_relu(e.src["el"] + e.dst["er"], 0.2)})
+            g.edata["a"] = edge_softmax(g, g.edata["e"])
+            g.update_all(lambda e: {"m": e.src["z"] * e.data["a"]},
+                         lambda n: {"h": n.mailbox["m"].sum(1)})
+            return g.ndata["h"] + self.bias
+
+
+class UDFMaxLayer(nn.Module):
+    """Max-pooling aggregator: the maximum of ReLU(W_pool h_u) over in-neighbours, then a linear
+    layer (nodes without in-edges get zeros, as DGL leaves them)."""
+
+    def __init__(self, k_in, k_out):
+        super().__init__()
+        self.pool = nn.Linear(k_in, k_in)
+        self.linear = nn.Linear(k_in, k_out)
+
+    def reduce(self, nodes):
+        return {"h": torch.max(nodes.mailbox["m"], dim=1).values}
+
+    def forward(self, g, h):
+        with g.local_scope():
+            g.ndata["h"] = torch.relu(self.pool(h))
+            g.update_all(fn.copy_u("h", "m"), self.reduce)
+            return self.linear(g.ndata["h"])
+
+
+def mean_by_degree(nodes):
+    """The mean as a sum over the mailbox's degree dimension."""
+    m = nodes.mailbox["m"]
+    return {"h": m.sum(1) / m.shape[1]}
+
+
+class UDFShapeMeanLayer(UDFSAGELayer):
+    """GraphSAGE-mean with the mean written as sum / degree, the message a helper's result."""
+
+    def forward(self, g, h):
+        with g.local_scope():
+            g.ndata["x"] = h
+            g.update_all(lambda e: {"m": e.src["x"]}, mean_by_degree)
+            return self.fc_self(h) + self.fc_neigh(g.ndata["h"])
+
+
 class UDFGINLayer(nn.Module):
     """h + sum of neighbours inside the reduce function: DGL leaves nodes without in-edges zero,
     not h, so the plan must too."""
@@ -160,8 +220,14 @@ MODELS = {
                                         UDFWeightedLayer(HIDDEN, CLASSES)),
     "gat": lambda k: TwoLayers(UDFGATLayer(k, HIDDEN), UDFGATLayer(HIDDEN, CLASSES), 0.3),
     "gin_in_reduce": lambda k: TwoLayers(UDFGINLayer(k, HIDDEN), UDFGINLayer(HIDDEN, CLASSES)),
+    "gat_indexed": lambda k: TwoLayers(UDFIndexedGATLayer(k, HIDDEN),
+                                       UDFIndexedGATLayer(HIDDEN, CLASSES), 0.3),
+    "max": lambda k: TwoLayers(UDFMaxLayer(k, HIDDEN), UDFMaxLayer(HIDDEN, CLASSES)),
+    "shape_mean": lambda k: TwoLayers(UDFShapeMeanLayer(k, HIDDEN),
+                                      UDFShapeMeanLayer(HIDDEN, CLASSES)),
 }
-UDF_LAYERS = (UDFGCNLayer, UDFSAGELayer, UDFWeightedLayer, UDFGATLayer, UDFGINLayer)
+UDF_LAYERS = (UDFGCNLayer, UDFSAGELayer, UDFWeightedLayer, UDFGATLayer, UDFGINLayer,
+              UDFIndexedGATLayer, UDFMaxLayer, UDFShapeMeanLayer)
 
 
 def build(name, graph_kind):
@@ -342,6 +408,141 @@ def test_udf_gcn_lowers_like_the_builtin_gcn():
     x = features(g, 6)
     udf, builtin = lowered(UDFGCNLayer(6, 4), g, x), lowered(BuiltinGCNLayer(6, 4), g, x)
     assert udf == builtin and udf.startswith("(D_in^-0.5 . A . D_in^-0.5 . ")
+
+
+def leaky_scores(edges):
+    return {"e": F.leaky_relu(edges.src["el"] + edges.dst["er"], negative_slope=0.2)}
+
+
+class AttentionSpelling(nn.Module):
+    """One-head GAT whose scores are spelled in one of many ways: ``attention`` (how el, er are
+    computed) and ``scores`` (how the leaky ReLU of el_u + er_v is written)."""
+
+    def __init__(self, attention, scores):
+        super().__init__()
+        self.fc = nn.Linear(6, 4, bias=False)
+        self.attn_l = nn.Parameter(torch.randn(1, 1, 4))
+        self.attn_r = nn.Parameter(torch.randn(1, 1, 4))
+        self.bias = nn.Parameter(torch.zeros(4))
+        self.leaky_relu = nn.LeakyReLU(0.2)
+        self.attention, self.scores = attention, scores
+
+    def score_method(self, edges):
+        return {"e": F.leaky_relu(edges.dst["er"] + edges.src["el"], 0.2, True)}
+
+    def attend(self, z, a):
+        if self.attention == "indexed":
+            return (z * a[0]).sum(-1, keepdim=True)
+        if self.attention == "torch_sum":
+            return torch.sum(a[0] * z, dim=1, keepdim=True)
+        return (z * a[-1]).sum(dim=-1).unsqueeze(-1)
+
+    def forward(self, g, h):
+        with g.local_scope():
+            z = self.fc(h)
+            g.ndata.update({"z": z, "el": self.attend(z, self.attn_l),
+                            "er": self.attend(z, self.attn_r)})
+            if self.scores == "positional":
+                g.apply_edges(lambda e: {"e": F.leaky_relu(e.src["el"] + e.dst["er"], 0.2)})
+            elif self.scores == "helper":
+                g.apply_edges(leaky_scores)
+            elif self.scores == "method":
+                g.apply_edges(self.score_method)
+            else:
+                g.apply_edges(lambda e: {"e": self.leaky_relu(e.src["el"] + e.dst["er"])})
+            g.edata["a"] = edge_softmax(g, g.edata["e"])
+            g.update_all(fn.u_mul_e("z", "a", "m"), fn.sum("m", "h"))
+            return g.ndata["h"] + self.bias
+
+
+def test_attention_spellings_lower_to_one_ir():
+    g = GRAPHS["directed"]()
+    x = features(g, 6)
+    texts = {(a, s): lowered(AttentionSpelling(a, s), g, x)
+             for a in ("indexed", "torch_sum", "unsqueezed")
+             for s in ("positional", "helper", "method")}
+    assert len(set(texts.values())) == 1, texts
+    assert "blockdiag(attn_l)" in texts["indexed", "helper"]
+
+
+def test_udf_gat_gets_the_plans_of_gatconv():
+    """With the leaky ReLU a module, as GATConv has it, the UDF GAT lowers to GATConv's IR and
+    gets the same plans, fused attention included."""
+    from dgl.nn import GATConv
+    g = GRAPHS["undirected"]()
+    x = features(g, 6)
+    udf = AttentionSpelling("indexed", "module")
+    builtin = GATConv(6, 4, 1, negative_slope=0.2)
+    assert lowered(udf, g, x) == str(lower_layer(builtin, frozenset(), False,
+                                                 {"graph": g, "feat": x}).root)
+    plans = [sorted(p.composition() for p in prepare(new_state(m), m, (g, x), {}).compiled.plans)
+             for m in (udf, builtin)]
+    assert plans[0] == plans[1] and any("gat_aggregate" in p for p in plans[0])
+
+
+@pytest.mark.parametrize("scores,slope", [("positional", 0.2), ("helper", 0.2), ("method", 0.2),
+                                          ("module", None)])
+def test_leaky_relu_slope_of_a_lowered_udf(scores, slope):
+    """The slope a fusion pass reads from the lowered F.leaky_relu (a module's is read from the
+    module at run time instead)."""
+    from granii import ir
+    from granii.frontend.udf import leaky_relu_slope
+    g = GRAPHS["directed"]()
+    root = lower_layer(AttentionSpelling("indexed", scores), frozenset(), False,
+                       {"g": g, "h": features(g, 6)}).root
+    refs = [n.ref for n in _walk(root) if isinstance(n, ir.Apply)]
+    assert [leaky_relu_slope(r) for r in refs] == [slope]
+
+
+def _walk(node):
+    from granii import ir
+    yield node
+    for c in ir.children(node):
+        yield from _walk(c)
+
+
+def test_parameter_indexing_that_changes_values_runs_as_written():
+    """``self.attn[1]`` of a (2, 1, F) parameter picks other values than the parameter's own:
+    not lowered, and the layer runs as written."""
+    class SecondRow(AttentionSpelling):
+        def attend(self, z, a):
+            return (z * a[1]).sum(-1, keepdim=True)
+
+    g = GRAPHS["undirected"]()
+    x = features(g, 6)
+    layer = SecondRow("indexed", "positional")
+    layer.attn_l = nn.Parameter(torch.randn(2, 1, 4))
+    layer.attn_r = nn.Parameter(torch.randn(2, 1, 4))
+    ref = copy.deepcopy(layer)
+    granii(layer, g, x)
+    torch.testing.assert_close(layer(g, x), ref(g, x))
+    assert "self.attn_l[1] of a parameter of shape (2, 1, 4)" in layer_states(layer)[0].fallback
+
+
+def test_lowered_ir_names_the_python_functions_read():
+    """What the dispatcher can tell a layer running Python functions in DGL by (its original
+    forward runs them once per group of nodes of equal in-degree)."""
+    g = GRAPHS["undirected"]()
+    x = features(g, 6)
+    lir = lower_layer(UDFGCNLayer(6, 4), frozenset(), False, {"g": g, "h": x})
+    assert lir.udfs == ("message function 'gcn_message'", "reduce function 'gcn_reduce'")
+    lir = lower_layer(AttentionSpelling("indexed", "method"), frozenset(), False,
+                      {"g": g, "h": x})
+    assert lir.udfs == ("apply-edges function 'score_method'",)
+    assert lower_layer(BuiltinGCNLayer(6, 4), frozenset(), False, {"g": g, "h": x}).udfs == ()
+
+
+def test_user_functions_are_parsed_once(monkeypatch):
+    """Every instance and call signature of a layer reads the same parsed source."""
+    from granii.frontend import udf
+    parsed = []
+    parse = udf._parse_definition
+    monkeypatch.setattr(udf, "_parse_definition", lambda f: parsed.append(f) or parse(f))
+    g = GRAPHS["undirected"]()
+    x = features(g, 6)
+    texts = {lowered(UDFSAGELayer(6, 4), g, x) for _ in range(3)}
+    assert len(texts) == 1 and parsed.count(UDFSAGELayer.message) <= 1 \
+        and parsed.count(UDFSAGELayer.reduce) <= 1
 
 
 # -- what does not lower runs as written ----------------------------------------------------------------

@@ -30,6 +30,9 @@ class LayerIR:
     spec: list                   # (condition, names, value): graph-dependent branches taken
     config: dict                 # module attribute -> summary of the value branched on
     heads: tuple = None          # (H, F): the output is (N, H, F), the IR's N x (H F) split
+    udfs: tuple = ()             # the Python message, reduce and apply-edges functions read,
+                                 # e.g. "reduce function 'gcn_reduce'" (DGL runs each once per
+                                 # group of nodes of equal in-degree: its forward is slow)
 
 
 def lower_layer(module, present=frozenset(), is_block=False, real=None):
@@ -64,7 +67,8 @@ def lower_layer(module, present=frozenset(), is_block=False, real=None):
         raise
     return LayerIR(type(module).__name__, ir.rewrite_row_broadcasts(out.node), out.node,
                    interp.guards, tuple(params), frozenset(present), src, interp.spec,
-                   interp.config, interp.heads if out.ndim == 3 else None)
+                   interp.config, interp.heads if out.ndim == 3 else None,
+                   tuple(dict.fromkeys(interp.udfs)))
 
 
 def _check_complete(node):

@@ -20,8 +20,8 @@ import torch
 from .. import ir
 from . import rules, udf
 from .values import (UDF_VALUES, BatchFrame, Degrees, Edges, Frame, FrontendError, Graph,
-                     GraphCondition, LocalScope, HeadProduct, Method, RaisesForConfig, Scalar,
-                     Shape, Tensor)
+                     GraphCondition, LocalScope, HeadProduct, Method, ParamItem, RaisesForConfig,
+                     Scalar, Shape, Tensor)
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.Pow: operator.pow, ast.MatMult: operator.matmul,
@@ -30,7 +30,7 @@ _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast
            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
            ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
 _SYMBOLIC = (Tensor, Edges, Degrees, Graph, Frame, Shape, GraphCondition, Method, Scalar,
-             HeadProduct) + UDF_VALUES
+             HeadProduct, ParamItem) + UDF_VALUES
 
 
 class _Return(Exception):
@@ -41,9 +41,15 @@ class _Return(Exception):
 def forward_ast(cls):
     """The parsed ``forward`` of ``cls`` (the source installed on this machine) and its globals."""
     fwd = cls.forward
+    code = getattr(fwd, "__code__", None)
+    node, src = (udf.parsed_once(code, lambda: _parse_forward(fwd)) if code is not None
+                 else _parse_forward(fwd))
+    return node, fwd.__globals__, src
+
+
+def _parse_forward(fwd):
     src = textwrap.dedent(inspect.getsource(fwd))
-    tree = ast.parse(src)
-    return tree.body[0], fwd.__globals__, src
+    return ast.parse(src).body[0], src
 
 
 class Interpreter:
@@ -65,6 +71,7 @@ class Interpreter:
         self.leaves = {}
         self.sites = 0            # calls of functions so far (``rules.apply``)
         self.where = None         # the user-defined function being read, None in forward
+        self.udfs = []            # message, reduce and apply-edges functions read (by role)
 
     # -- entry -------------------------------------------------------------------------------
     def run(self, bound):

@@ -9,12 +9,18 @@
     th.matmul(x, w), x @ w              ->  x . w                (the product is associative)
     linear(x) (nn.Linear)               ->  x . W^T + b
     x + y                               ->  Add(x, y)
+    (x * self.attn).sum(-1)             ->  x . blockdiag(attn)  (attention scores: x split into heads
+                                                                  (N, H, F), attn (1, H, F); or one
+                                                                  head, x (N, F), attn[0] (1, F), ...)
+    f(x, c) for a pure f, constants c   ->  Apply(f(., c), x), reusable per input (F.leaky_relu)
+    helper(x, y) of the user's code     ->  its source, read like forward
     f(x) for any other callable f       ->  Apply(f, x): a barrier (activations, dropout, ...)
     update_all / apply_edges with Python (user-defined) functions: ``udf.py``
 """
 import ast
 import dataclasses
 import inspect
+import types
 
 import torch
 from torch import nn
@@ -22,7 +28,8 @@ from torch import nn
 from .. import ir
 from . import udf
 from .values import (UDF_VALUES, Degrees, Edges, Frame, FrontendError, Graph, GraphCondition,
-                     HeadProduct, LocalScope, Method, RaisesForConfig, Scalar, Shape, Tensor)
+                     HeadProduct, LocalScope, Method, ParamItem, RaisesForConfig, Scalar, Shape,
+                     Tensor)
 
 _U, _V, _E = 0, 1, 2
 _GRAPH_SCALARS = {"num_edges", "num_nodes", "number_of_edges", "number_of_nodes",
@@ -95,10 +102,12 @@ def symbolic_attr(it, obj, attr, node):
 
 
 def symbolic_index(it, obj, key, node):
+    if isinstance(obj, (ParamItem, Tensor)) and isinstance(key, int) and not isinstance(key, bool):
+        return param_item(it, obj, key, node)
     if isinstance(obj, Shape):
         if isinstance(key, slice):
             return Shape(len(range(obj.ndim)[key]))
-        return GraphCondition("size")
+        return obj[key] if isinstance(key, int) else GraphCondition("size")
     if (isinstance(obj, Tensor) and isinstance(key, slice) and key.start is None
             and key.step is None and isinstance(key.stop, GraphCondition)
             and key.stop.text in ("number_of_dst_nodes", "num_dst_nodes")):
@@ -115,6 +124,29 @@ def symbolic_index(it, obj, key, node):
         if _unshaped_arg(obj.node) is not None:
             return Tensor(shape_arg(it, obj.node, rows, node), 2)
     fail(node, "indexing of a tensor", "row slices and gathers are not lowered")
+
+
+def param_item(it, obj, key, node):
+    """``p[0]`` (or ``p[-1]``) of a parameter ``p`` whose first dimension is 1: the same values
+    with one dimension fewer (``self.attn_l[0]``)."""
+    leaf = obj.node if isinstance(obj, Tensor) else None
+    if leaf is not None and not (_is_param(leaf) and not leaf.transposed):
+        fail(node, "indexing of a tensor", "row slices and gathers are not lowered")
+    attr = obj.attr if leaf is None else leaf.source[1]
+    shape = param_shape(it, attr)
+    lead = len(shape) - obj.ndim
+    if obj.ndim < 2 or shape[lead] != 1 or key not in (0, -1):
+        fail(node, f"self.{attr}[{key}] of a parameter of shape {tuple(shape)}", "only the "
+             "index 0 of a dimension of size 1 is lowered (the values are then the "
+             "parameter's)")
+    return ParamItem(attr, obj.ndim - 1)
+
+
+def param_shape(it, attr):
+    value = it.module
+    for part in attr.split("."):
+        value = getattr(value, part)
+    return tuple(value.shape)
 
 
 # -- graph frames ----------------------------------------------------------------------------------
@@ -329,9 +361,14 @@ def binop(it, op, a, b, node):
             bn = dataclasses.replace(bn, rows="1", cols=an.cols)
             it.leaves[bn.name] = bn
         return Tensor(ir.Add(an, bn), max(a.ndim, b.ndim))
-    if op == "Mult" and isinstance(a, Tensor) and isinstance(b, Tensor) and a.ndim == 3 \
-            and _is_param(b.node) and it.heads:
-        return HeadProduct(a, b.node.source[1])
+    if op == "Mult":
+        hp = head_product(it, a, b) or head_product(it, b, a)
+        if hp is not None:
+            return hp
+    if isinstance(a, ParamItem) or isinstance(b, ParamItem):
+        item = a if isinstance(a, ParamItem) else b
+        fail(node, f"self.{item.attr}[0] in operator {op}", "an indexed parameter is lowered "
+             "only as attention vectors, (x * a).sum(-1)")
     if op == "Mult" and isinstance(a, Edges) and isinstance(b, Edges) and b.arg is not None:
         w = it.leaf(b.arg, "E", "1", ir.DENSE, ir.DATA, ("edge", b.arg))
         return Edges(node=ir.EdgeScale(edge_node(it, a, node), w))
@@ -340,6 +377,38 @@ def binop(it, op, a, b, node):
     if op == "Mult" and isinstance(b, Tensor) and isinstance(a, (int, float)):
         return scale(it, b, float(a), node)
     fail(node, f"operator {op} on {type(a).__name__} and {type(b).__name__}", "not lowered")
+
+
+def head_product(it, x, a):
+    """``x * a`` of features and attention vectors, to be summed over the last dimension, or
+    ``None``: ``x`` split into heads (N, H, F) and ``a`` of shape (1, H, F); or ``x`` of shape
+    (N, F) and ``a`` one vector (1, F) (or (1, 1, F), ``self.attn[0]``, ...): one head."""
+    if not isinstance(x, Tensor) or isinstance(x.node, ir.Leaf) and _is_param(x.node):
+        return None
+    if isinstance(a, Tensor) and _is_param(a.node) and not a.node.transposed:
+        attr, ndim = a.node.source[1], a.ndim
+    elif isinstance(a, ParamItem):
+        attr, ndim = a.attr, a.ndim
+    else:
+        return None
+    shape = param_shape(it, attr)
+    if x.ndim == 3 and it.heads and ndim <= 3:
+        return HeadProduct(x, attr)
+    if x.ndim == 2 and ndim == 2 and len(shape) >= 2 and all(n == 1 for n in shape[:-1]):
+        return HeadProduct(x, attr)
+    return None
+
+
+def head_sum(it, hp, args, kwargs, node):
+    """``(x * a).sum(-1)``: the score of each head, ``x . blockdiag(a)`` (N x H)."""
+    kw = dict(kwargs)
+    dim = kw.pop("dim", args[0] if args else None)
+    keepdim = kw.pop("keepdim", args[1] if len(args) > 1 else False)
+    last = hp.x.ndim - 1
+    if kw or len(args) > 2 or not isinstance(dim, int) or dim % hp.x.ndim != last:
+        fail(node, "(features * attention).sum()", "only the sum over the last dimension is "
+             "lowered")
+    return Tensor(ir.matmul(hp.x.node, head_diag(it, hp)), hp.x.ndim - (0 if keepdim else 1))
 
 
 def _unshaped_arg(n):
@@ -463,8 +532,8 @@ def call_method(it, m, args, kwargs, node):
     if isinstance(obj, Degrees):
         return degree_method(obj, name, args, kwargs, node)
     if isinstance(obj, HeadProduct):
-        if name == "sum" and (kwargs.get("dim", args[0] if args else None) == -1):
-            return Tensor(ir.matmul(obj.x.node, head_diag(it, obj)), 2)
+        if name == "sum":
+            return head_sum(it, obj, args, kwargs, node)
         fail(node, f"(features * attention).{name}()", "only .sum(dim=-1) is lowered")
     if isinstance(obj, Tensor):
         if name == "detach":
@@ -550,6 +619,8 @@ def call_function(it, func, args, kwargs, node):
         if dim not in (-1, 1) or not all(isinstance(p, Tensor) and p.ndim == 2 for p in parts):
             fail(node, "torch.cat", "only concatenating N x k features along columns is lowered")
         return Tensor(ir.Cat(tuple(p.node for p in parts)), 2)
+    if func is torch.sum and args and isinstance(args[0], HeadProduct):
+        return head_sum(it, args[0], args[1:], kwargs, node)
     symbolic = [a for a in list(args) + list(kwargs.values()) if _holds_symbolic(a)]
     if func in _CONTAINER_BUILTINS:
         return func(*args, **kwargs)          # len(hs), zip(hs, ws): containers of values
@@ -599,10 +670,17 @@ def call_function(it, func, args, kwargs, node):
         label, ref = _callable_ref(it, func)
         pure = ref[0] in ("function", "attr") and _known_pure(func)
         return Tensor(apply(it, label, args[0].node, ref, pure), args[0].ndim)
+    ref = udf.pure_ref(func, args, kwargs) if args and isinstance(args[0], Tensor) else None
+    if ref is not None:          # F.leaky_relu(x, 0.2): a pure function with constants
+        return Tensor(apply(it, ref[0], args[0].node, ref[1], pure=True), args[0].ndim)
     if func is torch.ones and _per_edge(args) and not kwargs:
         return Edges(ones=True)
     if isinstance(args[0], GraphCondition):
         return GraphCondition(name)
+    if isinstance(func, (types.FunctionType, types.MethodType)) and udf._own_code(func):
+        # a helper of the user's code (self.attend(z, a)): read like forward
+        return it.call_user(udf.user_function(func, node, "helper function"), args, kwargs,
+                            name, node)
     fail(node, f"call of {modname}.{name}", "with symbolic arguments; not lowered")
 
 
@@ -614,7 +692,7 @@ def _per_edge(shape):
 
 _CONTAINER_BUILTINS = (len, list, tuple, zip, enumerate, reversed, range, dict)
 _SYMBOLIC_TYPES = (Tensor, Degrees, Edges, Graph, Shape, GraphCondition, Scalar,
-                   HeadProduct) + UDF_VALUES
+                   HeadProduct, ParamItem) + UDF_VALUES
 
 
 def _holds_symbolic(a):

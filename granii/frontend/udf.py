@@ -11,12 +11,18 @@ built-in functions do:
     {'e': f(edges.src['a'] + edges.dst['b'])}      u_add_v, f pure     f(sddmm_add(a, b))
     {'h': nodes.mailbox['m'].sum(1)}               sum                 A . H
     {'h': torch.mean(nodes.mailbox['m'], dim=1)}   mean                D_in^-1 . A . H
+    {'h': m.sum(1) / m.shape[1]}                   (the in-degree)     D_in^-1 . A . H
     {'h': torch.max(nodes.mailbox['m'], 1)[0]}     max                 spmm_max(A, H)
 
 DGL calls a reduce function only on nodes with in-edges and gives the others zeros. A result that
 keeps those rows zero by itself (products, sums and zero-preserving functions of aggregates) lowers
 as it is; any other result (``nodes.data['h'] + m.sum(1)``) is multiplied by the 0/1 vector of
 "has in-edges", ``D_in . D_in^-1`` (degrees clamped at 1 in the second).
+
+Spelling does not matter: helper functions and methods are read like the function that calls them,
+fields may have any name, and the constant arguments of a pure function are bound by name
+(``F.leaky_relu(x, 0.2)`` and ``F.leaky_relu(x, negative_slope=0.2)`` are one IR node). Each
+function's source is parsed once per code object.
 """
 import ast
 import collections
@@ -24,6 +30,7 @@ import dataclasses
 import inspect
 import textwrap
 import types
+import weakref
 from collections import ChainMap
 
 import torch
@@ -82,7 +89,34 @@ def user_function(value, node, role):
                         _defaults(value))
 
 
+def graph_function(it, value, node, role):
+    """``user_function`` of a function given to ``update_all``/``apply_edges``, recorded in
+    ``it.udfs`` by role and name."""
+    fn = user_function(value, node, role)
+    it.udfs.append(f"{role} '{fn.name}'")
+    return fn
+
+
+_PARSED = {}     # id(code) -> (weak reference to the code object, what was parsed from it)
+
+
+def parsed_once(code, parse):
+    """``parse()`` of the source of the code object ``code``, once per code object: every layer
+    instance, copy and call signature reads the same ``def`` or ``lambda``."""
+    hit = _PARSED.get(id(code))
+    if hit is not None and hit[0]() is code:
+        return hit[1]
+    value = parse()
+    ident = id(code)
+    _PARSED[ident] = (weakref.ref(code, lambda _: _PARSED.pop(ident, None)), value)
+    return value
+
+
 def _definition(func):
+    return parsed_once(func.__code__, lambda: _parse_definition(func))
+
+
+def _parse_definition(func):
     """``(ast node, source text)`` of ``func``: its own source for a ``def``; for a lambda the
     whole file, since the lines of a lambda are often not a statement on their own."""
     if func.__name__ != "<lambda>":
@@ -172,14 +206,14 @@ def is_builtin_reduce(f):
 def update_all(it, graph, msg, red, node):
     """``graph.update_all(msg, red)`` with at least one of them a Python function."""
     msgs = builtin_messages(it, graph, msg, node) if is_builtin_message(msg) else \
-        run_message(it, graph, user_function(msg, node, _MESSAGE), node)
+        run_message(it, graph, graph_function(it, msg, node, _MESSAGE), node)
     if is_builtin_reduce(red):
         if red.msg_field not in msgs:
             fail(node, "update_all", f"the reduce function reads message field "
                  f"'{red.msg_field}', which the message function does not write")
         out = {red.out_field: aggregate(it, msgs[red.msg_field], red.name, node)}
     else:
-        out = run_reduce(it, graph, user_function(red, node, _REDUCE), msgs, node)
+        out = run_reduce(it, graph, graph_function(it, red, node, _REDUCE), msgs, node)
         edges_guard(it)
     for k, v in out.items():
         graph.frames["dst"][k] = v
@@ -197,7 +231,7 @@ def edges_guard(it):
 
 def apply_edges(it, graph, func, node):
     """``graph.apply_edges(f)`` with a Python function ``f``: the edge values it returns."""
-    fn = user_function(func, node, _APPLY_EDGES)
+    fn = graph_function(it, func, node, _APPLY_EDGES)
     out = returned_fields(it.call_user(fn, [EdgeBatch(graph)], {}, _APPLY_EDGES, node),
                           fn, _APPLY_EDGES, node)
     for k, v in out.items():
@@ -380,8 +414,10 @@ def attr(it, obj, name, node):
         return BatchFrame(obj, name)
     if isinstance(obj, NodeBatch) and name in ("data", "mailbox"):
         return BatchFrame(obj, name)
-    if isinstance(obj, (Message, Mailbox)) and name == "shape":
-        return Shape(obj.ndim if isinstance(obj, Mailbox) else obj.x.ndim)
+    if isinstance(obj, Mailbox) and name == "shape":
+        return Shape(obj.ndim, degree_dim=1)
+    if isinstance(obj, Message) and name == "shape":
+        return Shape(obj.x.ndim)
     if isinstance(obj, (Message, Mailbox, DstValue)):
         return Method(obj, name)
     what = type(obj).__name__.lower() if not isinstance(obj, Opaque) else obj.text
@@ -470,6 +506,9 @@ def edge_score(it, m, d, node):
 
 
 def call_method(it, obj, name, args, kwargs, node):
+    if isinstance(obj, Mailbox) and name == "size" and not kwargs:
+        shape = Shape(obj.ndim, degree_dim=1)
+        return shape[args[0]] if len(args) == 1 and isinstance(args[0], int) else shape
     if isinstance(obj, Mailbox):
         return reduce_call(it, name, obj, args, kwargs, node)
     if isinstance(obj, Message) and name in rules._SAME_VALUE_METHODS - {"detach"}:
@@ -540,17 +579,43 @@ def _own_code(func):
 
 def pure_ref(func, args, kwargs):
     """``(label, ref)`` of ``func`` applied to its first argument, the others constants, when
-    ``func`` is a known pure function; else ``None``."""
+    ``func`` is a known pure function; else ``None``. Equal calls give equal refs however they
+    are spelled: ``F.leaky_relu(x, 0.2)``, ``F.leaky_relu(x, negative_slope=0.2)``."""
     if not rules._known_pure(func) or func in _ACROSS_ROWS or not args:
         return None
     rest = list(args[1:]) + list(kwargs.values())
     if not all(isinstance(v, (int, float, bool, str, type(None))) for v in rest):
         return None
+    bound = constant_arguments(func, args[1:], kwargs)
+    if bound is None:
+        return None
+    args, kwargs = bound
     name = getattr(func, "__name__", "f")
-    if not rest:
+    if not args and not kwargs:
         return name, ("function", func)
-    shown = [repr(v) for v in args[1:]] + [f"{k}={v!r}" for k, v in kwargs.items()]
-    return f"{name}({', '.join(shown)})", ("function", WithArgs(func, args[1:], kwargs))
+    shown = [repr(v) for v in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{name}({', '.join(shown)})", ("function", WithArgs(func, args, kwargs))
+
+
+def constant_arguments(func, args, kwargs):
+    """``(args, kwargs)`` of the arguments after the first: by name in the order of ``func``'s
+    signature, without those equal to their defaults and without ``inplace`` (the value is the
+    same); as written for a builtin without a signature; ``None`` when they do not bind."""
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        return tuple(args), dict(kwargs)
+    try:
+        bound = sig.bind(None, *args, **kwargs).arguments
+    except TypeError:
+        return None
+    named = {}
+    for k, v in list(bound.items())[1:]:
+        default = sig.parameters[k].default
+        same = v == default and isinstance(v, bool) == isinstance(default, bool)
+        if k != "inplace" and not same:
+            named[k] = v
+    return (), named
 
 
 class WithArgs:
@@ -569,6 +634,19 @@ class WithArgs:
 
     def __hash__(self):
         return hash((self.func, self.args, self.kwargs))
+
+
+def leaky_relu_slope(ref):
+    """The negative slope of the ``Apply`` ref of ``F.leaky_relu`` with constant arguments (what
+    a fusion pass needs to run it inside a kernel), or ``None`` for any other ref."""
+    f = ref[1] if ref[:1] == ("function",) else None
+    if f is _F.leaky_relu:
+        return 0.01
+    if isinstance(f, WithArgs) and f.func is _F.leaky_relu and not f.args:
+        kwargs = dict(f.kwargs)
+        if set(kwargs) <= {"negative_slope"}:
+            return float(kwargs.get("negative_slope", 0.01))
+    return None
 
 
 _ACROSS_ROWS = (_F.normalize, _F.softmax, _F.log_softmax)   # a dim argument may span rows

@@ -78,11 +78,18 @@ class Scalar:
 
 @dataclass
 class Shape:
-    """``x.shape`` of a symbolic tensor with ``ndim`` dimensions (only its length is known)."""
+    """``x.shape`` of a symbolic tensor with ``ndim`` dimensions (only its length is known); a
+    mailbox's dimension ``degree_dim`` is the in-degree of the nodes the reduce function sees."""
     ndim: int
+    degree_dim: int = None
 
     def __iter__(self):
-        return iter([GraphCondition("size")] * self.ndim)
+        return iter([self[i] for i in range(self.ndim)])
+
+    def __getitem__(self, i):
+        if self.degree_dim is not None and i % self.ndim == self.degree_dim:
+            return Degrees("in", 1.0, 1.0)   # at least 1 on every node DGL calls it on
+        return GraphCondition("size")
 
     def __len__(self):
         return self.ndim
@@ -94,6 +101,16 @@ class HeadProduct:
     the ``.sum(-1)`` that makes it the product ``x . blockdiag(a)``."""
     x: object
     attr: str
+
+
+@dataclass
+class ParamItem:
+    """``self.<attr>[0]`` of a parameter whose first dimension is 1 (``ndim``: its dimensions
+    after indexing): the parameter's values with a leading dimension fewer. Lowered as the
+    attention vectors of ``(x * a).sum(-1)``, which read the values whatever their leading
+    dimensions."""
+    attr: str
+    ndim: int
 
 
 @dataclass

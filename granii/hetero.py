@@ -337,18 +337,26 @@ def plans_for(regularizer):
 _RATES = {}
 
 
-def rates():
-    """Seconds per unit of work on this machine at the current thread count, measured once
-    (a few small calls, ~0.1 s): dense GEMM, segment GEMM, sparse gather, streaming writes,
-    and the fixed cost of a kernel call."""
-    threads = torch.get_num_threads()
-    if threads in _RATES:
-        return _RATES[threads]
+def _width(k):
+    """``k`` rounded to a power of two in [8, 256]: rates are measured once per bucket."""
+    return min(max(1 << max(int(k) - 1, 1).bit_length(), 8), 256)
+
+
+def rates(k_in=64, k_out=64):
+    """Seconds per unit of work on this machine at the current thread count and these widths
+    (rounded by ``_width``), measured once (a few small calls, ~0.1 s): dense GEMM, segment GEMM
+    over 32 relations, sparse gather, streaming writes, and the fixed cost of a kernel call.
+    Narrow GEMMs reach a fraction of the wide ones' rate, so the widths are measured, not
+    assumed."""
+    threads, a, b = torch.get_num_threads(), _width(k_in), _width(k_out)
+    key = (threads, a, b)
+    if key in _RATES:
+        return _RATES[key]
     gen = torch.Generator().manual_seed(0)
-    n, k = 1 << 14, 64
-    x = torch.randn(n, k, generator=gen)
-    w = torch.randn(8, k, k, generator=gen)
-    seg = torch.full((8,), n // 8, dtype=torch.long)
+    n = max((1 << 20) // max(a, b), 1 << 12)
+    x = torch.randn(n, a, generator=gen)
+    w = torch.randn(32, a, b, generator=gen)
+    seg = torch.full((32,), n // 32, dtype=torch.long)
     col = torch.randint(0, n, (4 * n,), generator=gen)
     row = torch.arange(4 * n) // 4
     m = typed.Move(row, col, n, n)
@@ -364,13 +372,13 @@ def rates():
 
     tiny = torch.randn(4, 4)
     call = best(lambda: tiny @ tiny, 20)
-    r = {"gemm": best(lambda: x @ w[0]) / (n * k * k),
-         "seg": best(lambda: typed.segment_gemm(x, w, seg)) / (n * k * k),
-         "sparse": best(lambda: typed.move(m, x)) / (4 * n * k),
-         "stream": best(lambda: x * 2.0) / (n * k),
+    r = {"gemm": best(lambda: x @ w[0]) / (n * a * b),
+         "seg": best(lambda: typed.segment_gemm(x, w, seg)) / (n * a * b),
+         "sparse": best(lambda: typed.move(m, x)) / (4 * n * a),
+         "stream": best(lambda: x * 2.0) / (n * a),
          "calls": call * 5}
     r["bdd"] = r["seg"] * 4
-    _RATES[threads] = r
+    _RATES[key] = r
     return r
 
 
@@ -379,7 +387,7 @@ TRAIN_FACTOR = {"gemm": 3.0, "seg": 3.0, "bdd": 3.0, "sparse": 2.0, "stream": 2.
 
 def plan_cost(plan, sizes, k_in, k_out, B, reg, training):
     w = step_work(lower(plan), space_sizes(sizes), k_in, k_out, B, reg)
-    r = rates()
+    r = rates(k_in, k_out)
     return sum(r[k] * w[k] * (TRAIN_FACTOR[k] if training else 1.0) for k in r)
 
 

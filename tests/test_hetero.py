@@ -200,6 +200,13 @@ def test_moves_built_once_per_graph():
     assert all(isinstance(key, tuple) for key in built)
 
 
+def test_rates_measured_per_width_bucket():
+    assert [hetero._width(k) for k in (1, 8, 9, 16, 17, 64, 300)] == [8, 8, 16, 16, 32, 64, 256]
+    r = hetero.rates(12, 16)
+    assert r is hetero.rates(16, 13) and set(r) >= {"gemm", "seg", "sparse", "stream", "calls"}
+    assert all(v > 0 for v in r.values())
+
+
 def test_move_matches_reference():
     gen = torch.Generator().manual_seed(0)
     row, col = torch.randint(0, 30, (200,), generator=gen), torch.randint(0, 40, (200,), generator=gen)

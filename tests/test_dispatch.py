@@ -200,3 +200,268 @@ def test_per_graph_cache_is_bounded_and_results_stay_right():
         assert torch.allclose(layer(g, x), ref(g, x), atol=1e-5)
     finally:
         G.set_cache_limit(old)
+
+
+# -- the fast path: repeated calls skip binding and deciding, and every change is still seen ---------
+def _normal_path_calls(monkeypatch):
+    """A list that grows by one each time a call takes the dispatcher's normal path."""
+    import granii.dispatch as dispatch
+    calls, real = [], dispatch.prepare
+    monkeypatch.setattr(dispatch, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _optimized_pair(make, g, x, grad=False, **opts):
+    """A DGL layer and an optimized copy, after enough calls for the fast path to exist (for
+    features seen again and for new ones: decisions differ by whether the features repeat)."""
+    torch.manual_seed(0)
+    ref = make()
+    layer = copy.deepcopy(ref)
+    granii(layer, g, x, cost_model=AnalyticalCost(), tune=False, **opts)
+    with torch.set_grad_enabled(grad):
+        for feats in (x, x, x.clone(), x.clone()):
+            layer(g, feats)
+    return layer, ref
+
+
+def _gcn():
+    return GraphConv(8, 4, norm="both")
+
+
+def test_repeated_calls_take_the_fast_path_and_read_parameters_live(monkeypatch):
+    """After the first calls, new features, in-place parameter updates and training steps run
+    without the normal path, with DGL's outputs and gradients: parameters are read per call."""
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    layer, ref = _optimized_pair(_gcn, g, x)
+    normal = _normal_path_calls(monkeypatch)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(g.num_nodes(), 8)
+            torch.testing.assert_close(layer(g, x), ref(g, x))
+        for m in (layer, ref):
+            m.weight.mul_(-2.0)                   # an optimizer's in-place update
+            m.bias.add_(1.0)
+        torch.testing.assert_close(layer(g, x), ref(g, x))
+    assert normal == []
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=1e-3) for m in (layer, ref))
+    for step in range(4):
+        outs = [m(g, x) for m in (layer, ref)]
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-4)
+        for out, o in zip(outs, (opt, opt_ref)):
+            o.zero_grad()
+            out.square().sum().backward()
+            o.step()
+        torch.testing.assert_close(layer.weight.grad, ref.weight.grad, atol=1e-4, rtol=1e-4)
+        if step == 1:
+            normal.clear()                        # the training mode has its fast path now
+    assert normal == []
+    torch.testing.assert_close(layer.weight, ref.weight, atol=1e-5, rtol=1e-4)
+
+
+def _new_weight(m, g, x):
+    torch.manual_seed(5)
+    m.weight = nn.Parameter(torch.randn(8, 4))
+
+
+def _wider_weight_data(m, g, x):
+    torch.manual_seed(5)
+    m.weight.data = torch.randn(8, 6)             # the same Parameter object, another shape
+    m.bias.data = torch.randn(6)
+
+
+def _loaded_state(m, g, x):
+    torch.manual_seed(5)
+    m.load_state_dict(GraphConv(8, 4, norm="both").state_dict())
+
+
+def _assigned_state(m, g, x):
+    torch.manual_seed(5)
+    m.load_state_dict(GraphConv(8, 4, norm="both").state_dict(), assign=True)
+
+
+# each: (what changes on both layers, whether the normal path must see it)
+LAYER_CHANGES = {
+    "weight re-assigned": (_new_weight, True),
+    "weight of another shape through .data": (_wider_weight_data, True),
+    "bias removed": (lambda m, g, x: setattr(m, "bias", None), True),
+    "norm changed": (lambda m, g, x: setattr(m, "_norm", "right"), True),
+    "activation set": (lambda m, g, x: setattr(m, "_activation", torch.relu), True),
+    "load_state_dict (in place)": (_loaded_state, False),
+    "load_state_dict(assign=True)": (_assigned_state, True),
+}
+
+
+@pytest.mark.parametrize("change", list(LAYER_CHANGES))
+def test_a_changed_layer_is_seen(change, monkeypatch):
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    layer, ref = _optimized_pair(_gcn, g, x)
+    apply, seen = LAYER_CHANGES[change]
+    for m in (layer, ref):
+        apply(m, g, x)
+    normal = _normal_path_calls(monkeypatch)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(layer(g, x), ref(g, x))
+    if seen:
+        assert normal, "the change must send the call through the normal path"
+        assert len(normal) < 3, "after it, the fast path must hold again"
+
+
+def test_to_float64_runs_dgls_forward_on_double_features():
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    layer, ref = _optimized_pair(_gcn, g, x)
+    layer.double()
+    ref.double()
+    with torch.no_grad():
+        out = layer(g, x.double())
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, ref(g, x.double()))
+
+
+def _edges_added(g):
+    g.add_edges(torch.tensor([0, 1, 2]), torch.tensor([5, 6, 7]))
+    return g
+
+
+def _edges_removed(g):
+    g.remove_edges(torch.tensor([0, 3, 9]))
+    return g
+
+
+def _same_sizes(g):
+    dgl.seed(7)
+    other = dgl.add_self_loop(dgl.rand_graph(g.num_nodes(), g.num_edges() - g.num_nodes()))
+    assert (other.num_nodes(), other.num_edges()) == (g.num_nodes(), g.num_edges())
+    return other
+
+
+GRAPH_CHANGES = {"another graph of the same sizes": _same_sizes,
+                 "edges added in place": _edges_added,
+                 "edges removed in place": _edges_removed}
+
+
+@pytest.mark.parametrize("change", list(GRAPH_CHANGES))
+def test_a_changed_graph_is_seen(change, monkeypatch):
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    layer, ref = _optimized_pair(_gcn, g, x)
+    normal = _normal_path_calls(monkeypatch)
+    g2 = GRAPH_CHANGES[change](g)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(g2, x), ref(g2, x))
+    assert normal
+
+
+def test_deterministic_algorithms_switched_on_later_decide_without_measuring(monkeypatch):
+    """A decision tuned by measurement is not reused once deterministic algorithms are
+    switched on: the call decides again, by the cost model alone."""
+    import granii.dispatch as dispatch
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    torch.manual_seed(0)
+    ref = _gcn()
+    layer = copy.deepcopy(ref)
+    granii(layer, g, x, cost_model=AnalyticalCost())
+    with torch.no_grad():
+        for _ in range(4 * (TRIAL_ROUNDS + 2)):
+            layer(g, x)
+    assert layer_states(layer)[0].tuned is not None
+    decided = []
+    real = dispatch.decide
+    monkeypatch.setattr(dispatch, "decide",
+                        lambda *a, **k: decided.append(real(*a, **k)) or decided[-1])
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(layer(g, x), ref(g, x))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(decided) == 1 and not isinstance(decided[0], dispatch.Trial)
+
+
+def test_a_thread_count_change_is_seen(monkeypatch):
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    layer, ref = _optimized_pair(_gcn, g, x)
+    normal = _normal_path_calls(monkeypatch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(layer(g, x), ref(g, x))
+    finally:
+        torch.set_num_threads(threads)
+    assert normal
+
+
+def _sage():
+    return SAGEConv(8, 4, "mean", feat_drop=0.0)
+
+
+@pytest.mark.parametrize("change", ["dropout p", "eval", "no gradients", "frozen parameters"])
+def test_a_changed_mode_or_dropout_is_seen(change, monkeypatch):
+    """Training calls with dropout under the same seeds as DGL's layer: a changed dropout
+    probability, eval mode, no_grad and parameters that stop requiring gradients."""
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    layer, ref = _optimized_pair(_sage, g, x, grad=True)
+    normal = _normal_path_calls(monkeypatch)
+    for m in (layer, ref):
+        if change == "dropout p":
+            m.feat_drop.p = 0.5
+        elif change == "eval":
+            m.eval()
+        elif change == "frozen parameters":
+            for p in m.parameters():
+                p.requires_grad_(False)
+    grad = change != "no gradients"
+    with torch.set_grad_enabled(grad):
+        for i in range(3):
+            torch.manual_seed(10 + i)
+            got = layer(g, x)
+            torch.manual_seed(10 + i)
+            torch.testing.assert_close(got, ref(g, x), atol=1e-5, rtol=1e-4)
+    assert normal
+
+
+def test_a_deep_copy_uses_its_own_parameters():
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    layer, ref = _optimized_pair(_gcn, g, x)
+    twin, twin_ref = copy.deepcopy(layer), copy.deepcopy(ref)
+    with torch.no_grad():
+        for m in (twin, twin_ref):
+            m.weight.mul_(3.0)
+        torch.testing.assert_close(twin(g, x), twin_ref(g, x))
+        torch.testing.assert_close(layer(g, x), ref(g, x))
+        torch.testing.assert_close(twin(g, x), twin_ref(g, x))
+
+
+def test_features_changed_in_place_are_seen():
+    """The same feature tensor again (its once-per-input work reused), then changed in place."""
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    layer, ref = _optimized_pair(_gcn, g, x)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(layer(g, x), ref(g, x))
+        x.mul_(2.0)
+        torch.testing.assert_close(layer(g, x), ref(g, x))
+
+
+def test_fast_entries_do_not_keep_a_graph_alive():
+    import gc
+    import weakref
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    layer, _ = _optimized_pair(_gcn, g, x)
+    st = layer_states(layer)[0]
+    assert len(st.fast) == 1
+    alive = weakref.ref(g)
+    del g
+    gc.collect()
+    assert alive() is None
+    assert len(st.fast) == 0

@@ -107,8 +107,9 @@ def run_case(name, g, et, reg, k, mode, rounds, log, budget=float("inf")):
     chosen = st.last[3] if st.last else None
     chosen = "dgl (original forward)" if chosen == hetero.ORIGINAL else (
         hetero.plan_name(chosen) if chosen else "?")
+    pick = hetero.plan_name(st.last[2][0][0]) if st.last and st.last[2] else ""
     granii.restore(layer)
-    return med, chosen, t_first, t_first_dgl, once
+    return med, chosen, pick, t_first, t_first_dgl, once
 
 
 def main(argv=None):
@@ -139,6 +140,7 @@ def main(argv=None):
                 a.cases and f"{r['regularizer']}:{r['mode']}" not in a.cases.split(","))]
         for r in rows:
             r.setdefault("timed_once", "")
+            r.setdefault("model_pick", "")
             for c in ("dgl_presorted_false_ms", "dgl_presorted_true_ms", "granii_ms",
                       "oracle_ms", "regret", "first_call_granii_ms", "first_call_dgl_ms"):
                 r[c] = float(r[c])
@@ -162,7 +164,7 @@ def main(argv=None):
                     if a.cases and f"{reg or 'none'}:{mode}" not in a.cases.split(","):
                         continue
                     log(f"  {name} k={k} {reg or 'none'} {mode} ({time.time() - t_start:.0f} s)")
-                    med, chosen, t_first, t_first_dgl, once = run_case(
+                    med, chosen, pick, t_first, t_first_dgl, once = run_case(
                         name, g, et, reg, k, mode, rounds, log, a.budget)
                     best = min((c for c in med if c != "granii"), key=med.get)
                     rows.append({
@@ -173,6 +175,7 @@ def main(argv=None):
                         "dgl_presorted_false_ms": med["dgl presorted=False"] * 1e3,
                         "dgl_presorted_true_ms": med["dgl presorted=True"] * 1e3,
                         "granii_ms": med["granii"] * 1e3, "granii_choice": chosen,
+                        "model_pick": pick,
                         "oracle_ms": med[best] * 1e3, "oracle": best,
                         "regret": med["granii"] / med[best],
                         "first_call_granii_ms": t_first * 1e3,
@@ -226,6 +229,14 @@ def choice_regret(r):
     return mine / ms
 
 
+def pick_regret(r):
+    """The cost models' first-ranked composition (before the measured tie-break) / the oracle,
+    or ``None`` when the row does not name it."""
+    ms, _, cands = oracle(r)
+    mine = cands.get("plan " + r.get("model_pick", ""))
+    return None if mine is None else mine / ms
+
+
 def write_md(rows, path, runs):
     lines = [
         "# RGCN layer: DGL's RelGraphConv vs granii",
@@ -249,11 +260,14 @@ def write_md(rows, path, runs):
         "choice regret = the composition granii kept, timed as a contender of its own (no",
         "dispatcher), / the fastest contender: the regret of the choice alone, as Hector reports",
         "it. The wrapped call's regret also carries the dispatcher and the noise of its own rounds.",
+        "model's pick = the composition the cost models rank first, before the measured",
+        "tie-break (which times it, the next one when predicted within 1.3x, and in inference",
+        "DGL's forward, on the first calls).",
         "",
         "| graph | pairs/edge | W | k | mode | DGL presorted=False | DGL presorted=True | granii | "
-        "granii's choice | oracle | choice regret | wrapped call regret | vs best DGL | "
-        "first call granii / DGL |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "granii's choice | oracle | choice regret | model's pick regret | wrapped call regret | "
+        "vs best DGL | first call granii / DGL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     choice_regrets = []
     for r in rows:
@@ -267,7 +281,8 @@ def write_md(rows, path, runs):
             f"{r['src_pairs_per_edge']} | {r['regularizer']} | {r['k']} | {r['mode']} | "
             f"{r['dgl_presorted_false_ms']:.2f} | {r['dgl_presorted_true_ms']:.2f} | "
             f"{r['granii_ms']:.2f} | {r['granii_choice']} | {r['oracle_ms']:.2f} ({r['oracle']}) | "
-            f"{cr:.2f}x | {r['regret']:.2f}x | {best_dgl / r['granii_ms']:.2f}x | "
+            f"{cr:.2f}x | {_x(pick_regret(r))} | {r['regret']:.2f}x | "
+            f"{best_dgl / r['granii_ms']:.2f}x | "
             f"{r['first_call_granii_ms']:.0f} / {r['first_call_dgl_ms']:.0f} |")
     once = [f"{r['dataset']} {r['regularizer']} {r['mode']}: {r['timed_once']}"
             for r in rows if r.get("timed_once")]
@@ -275,6 +290,10 @@ def write_md(rows, path, runs):
         lines += ["", "Timed by their warm-up call alone (slower than the run's `--budget`, so far",
                   "from the fastest): " + "; ".join(once) + "."]
     regrets = [r["regret"] for r in rows]
+    picks = [x for x in map(pick_regret, rows) if x is not None]
+    if picks:
+        lines += ["", f"Model's pick regret: median {statistics.median(picks):.2f}x, worst "
+                  f"{max(picks):.2f}x over {len(picks)} cases."]
     if regrets:
         lines += ["", f"Choice regret: median {statistics.median(choice_regrets):.2f}x, worst "
                   f"{max(choice_regrets):.2f}x; wrapped call: median "
@@ -282,6 +301,10 @@ def write_md(rows, path, runs):
                   f"{len(regrets)} cases."]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _x(v):
+    return "-" if v is None else f"{v:.2f}x"
 
 
 if __name__ == "__main__":

@@ -170,10 +170,8 @@ def lower(index, root, choice, scenarios=(), heads=None):
             args = (edge_values(n.parts[0]), names[n.parts[1]])
         else:
             args = (names[n.parts[0]], names[n.parts[1]])
-        if n.prim == "gemm" and _is_head_diag(n.parts[1]):
-            sig = signature(n)
-            return emit(n, "head_dot", args, when, str(n), ("head_dot",) + sig[1:], _inputs(lv))
-        return emit(n, n.prim, args, when, str(n), signature(n), _inputs(lv))
+        sig = signature(n)
+        return emit(n, sig[0] if sig else n.prim, args, when, str(n), sig, _inputs(lv))
 
     def edge_values(adj):
         """The edge-value argument of a sparse operand: ``None`` for ``A``, else a variable."""
@@ -192,12 +190,6 @@ def lower(index, root, choice, scenarios=(), heads=None):
         value(n)
     plan.out = value(root)
     return plan
-
-
-def _is_head_diag(n):
-    """``n`` is the ``blockdiag(a_1 .. a_H)`` of an attention parameter: a product with it is a
-    dot product per head (``head_dot``), H times fewer multiply-adds than the dense GEMM."""
-    return isinstance(n, ir.Leaf) and n.source[0] == "headdiag"
 
 
 def _impure_applies(root, choice):

@@ -32,6 +32,10 @@ from .plan import EVERY, GRAPH, INPUT, step_impls
 from .prune import GE, LT
 
 EXPECTED_CALLS = 100
+# Steps with no cost model of their own, each one pass over a matrix like a row scaling of the
+# same size (read it, write it): primitive -> (the size naming its rows, passes). An addition
+# reads two operands; GAT's per-head scores read X and write a narrow result.
+PASSES = {"add": ("n", 1.5), "cat": ("n", 1.0), "head_dot": ("m", 1.0)}
 TRIAL_MARGIN = 1.3       # plans predicted within this factor of the best are timed too
 TRIAL_PLANS = 2          # at most this many plans take turns (with the layer's own forward)
 
@@ -95,8 +99,9 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
         options = []
         needed = tuple(i for i, a in enumerate(step.args) if _base(a) in grad_vars)
         bias = tuple(i for i in needed if _is_row(plan, step.args[i]))
-        # an addend's gradient is the result's (add, and GEMM's C in X W + C): nothing to compute
-        needed = () if step.prim == "add" else tuple(
+        # an addend's gradient is the result's (add, and GEMM's C in X W + C), a concatenation's
+        # the column blocks of it (views): nothing to compute
+        needed = () if step.prim in ("add", "cat") else tuple(
             i for i in needed if i not in bias and not (step.prim == "gemm" and i == 2))
         extra = len(bias) * _column_sum_seconds(model, step.prim, gi, dims) if bias else 0.0
         for impl in step_impls(step):
@@ -136,10 +141,10 @@ def _predict(model, prim, impl, gi, dims, heads, phase="forward"):
     ``heads`` values per edge on rows of ``k / heads``: the same multiply-adds)."""
     if heads > 1 and prim in ("sddmm_add", "edge_softmax", "gat_aggregate"):
         dims = dict(dims, heads=heads)
-    if prim == "head_dot":       # one pass over X, as a row scaling of it (no model of its own)
-        prim, impl, dims = "row_scale", "torch", {"n": dims["m"], "k": dims["k"]}
-        if phase != "forward":
-            return None
+    if prim in PASSES:           # one pass over a matrix: priced as a row scaling of its size
+        rows, scale = PASSES[prim]
+        t = _predict(model, "row_scale", "torch", gi, {"n": dims[rows], "k": dims["k"]}, 1)
+        return t * scale if phase == "forward" else None
     if phase == "forward":
         return model.predict(prim, impl, gi, dims)
     train = getattr(model, "predict_train", None)

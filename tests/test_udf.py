@@ -146,6 +146,31 @@ class UDFIndexedGATLayer(nn.Module):
             return g.ndata["h"] + self.bias
 
 
+class UDFMultiHeadGATLayer(nn.Module):
+    """GAT with heads: features viewed as (N, H, F), one attention vector per head, the leaky
+    ReLU a module as in GATConv; the heads' outputs side by side."""
+
+    def __init__(self, k_in, k_out, heads=3):
+        super().__init__()
+        self.heads, self.k_out = heads, k_out
+        self.fc = nn.Linear(k_in, heads * k_out, bias=False)
+        self.attn_l = nn.Parameter(torch.randn(1, heads, k_out) * 0.3)
+        self.attn_r = nn.Parameter(torch.randn(1, heads, k_out) * 0.3)
+        self.leaky_relu = nn.LeakyReLU(0.2)
+
+    def forward(self, g, h):
+        with g.local_scope():
+            z = self.fc(h).view(-1, self.heads, self.k_out)
+            g.ndata["z"] = z
+            g.ndata["el"] = (z * self.attn_l).sum(-1, keepdim=True)
+            g.ndata["er"] = (z * self.attn_r).sum(dim=-1).unsqueeze(-1)
+            g.apply_edges(lambda e: {"e": self.leaky_relu(e.src["el"] + e.dst["er"])})
+            g.edata["a"] = edge_softmax(g, g.edata["e"])
+            g.update_all(lambda e: {"m": e.src["z"] * e.data["a"]},
+                         lambda n: {"h": n.mailbox["m"].sum(1)})
+            return g.ndata["h"].reshape(g.num_nodes(), -1)
+
+
 class UDFMaxLayer(nn.Module):
     """Max-pooling aggregator: the maximum of ReLU(W_pool h_u) over in-neighbours, then a linear
     layer (nodes without in-edges get zeros, as DGL leaves them)."""
@@ -222,12 +247,14 @@ MODELS = {
     "gin_in_reduce": lambda k: TwoLayers(UDFGINLayer(k, HIDDEN), UDFGINLayer(HIDDEN, CLASSES)),
     "gat_indexed": lambda k: TwoLayers(UDFIndexedGATLayer(k, HIDDEN),
                                        UDFIndexedGATLayer(HIDDEN, CLASSES), 0.3),
+    "gat_heads": lambda k: TwoLayers(UDFMultiHeadGATLayer(k, 4),
+                                     UDFMultiHeadGATLayer(12, CLASSES, heads=1), 0.3),
     "max": lambda k: TwoLayers(UDFMaxLayer(k, HIDDEN), UDFMaxLayer(HIDDEN, CLASSES)),
     "shape_mean": lambda k: TwoLayers(UDFShapeMeanLayer(k, HIDDEN),
                                       UDFShapeMeanLayer(HIDDEN, CLASSES)),
 }
 UDF_LAYERS = (UDFGCNLayer, UDFSAGELayer, UDFWeightedLayer, UDFGATLayer, UDFGINLayer,
-              UDFIndexedGATLayer, UDFMaxLayer, UDFShapeMeanLayer)
+              UDFIndexedGATLayer, UDFMultiHeadGATLayer, UDFMaxLayer, UDFShapeMeanLayer)
 
 
 def build(name, graph_kind):
@@ -344,6 +371,11 @@ class Spelling(nn.Module):
             elif self.style == "values":
                 g.update_all(fn.copy_u("x", "msg"),
                              lambda n: {"out": n.mailbox["msg"].max(1).values})
+            elif self.style == "by_degree":
+                g.update_all(copy_src, lambda n: {"out": n.mailbox["msg"].sum(1)
+                                                  / n.mailbox["msg"].size(1)})
+            elif self.style == "amax":
+                g.update_all(copy_src, lambda n: {"out": torch.amax(n.mailbox["msg"], dim=1)})
             return g.ndata["out"]
 
 
@@ -355,8 +387,8 @@ def lowered(layer, g, x, extra=None):
 
 @pytest.mark.parametrize("how,styles", [
     ("sum", ["builtin", "lambdas", "functions", "methods", "nested"]),
-    ("mean", ["builtin", "lambdas", "nested"]),
-    ("max", ["builtin", "lambdas", "nested", "values"]),
+    ("mean", ["builtin", "lambdas", "nested", "by_degree"]),
+    ("max", ["builtin", "lambdas", "nested", "values", "amax"]),
 ])
 def test_spellings_lower_to_one_ir(how, styles):
     g = GRAPHS["undirected"]()

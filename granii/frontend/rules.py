@@ -189,6 +189,8 @@ def tensor_view(it, x, args, node):
     """``x.view(*prefix, H, F)``: features split into heads. The IR keeps them as the N x (H F)
     matrix; ``it.heads`` remembers (H, F) to give the output its shape."""
     args = [a for a in args if not isinstance(a, GraphCondition)]
+    if len(args) == 3 and args[0] == -1 and all(isinstance(a, int) and a > 0 for a in args[1:]):
+        args = args[1:]          # view(-1, H, F): the rows as they are
     if len(args) == 1 and args[0] == -1:
         return Tensor(x.node, 2)
     if len(args) == 2 and all(isinstance(a, int) for a in args):

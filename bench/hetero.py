@@ -4,8 +4,8 @@ granii's choice against every composition it can run (an oracle).
     python -m bench.hetero [--quick] [--am] [--out results/hetero]
 
 Graphs are *generated with the published statistics* of the RGCN benchmarks
-(``granii.hetero_graphs``: AIFB, MUTAG, BGS; AM with ``--am``), each relation with its inverse,
-edges sorted by relation (``dgl.to_homogeneous``), so both of DGL's paths are valid. One
+(``granii.hetero_graphs``: AIFB, MUTAG, BGS; AM with ``--am``), each relation with its inverse
+(``--one-way``: without), edges sorted by relation (``dgl.to_homogeneous``), so both of DGL's paths are valid. One
 RelGraphConv layer, k_in = k_out = 16 (the paper's hidden size) and 64, regularizer none and
 basis (B = 30, 40 for BGS and AM as published), self-loop, on learned node embeddings (the
 nodes are featureless).
@@ -122,13 +122,18 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=float("inf"),
                     help="seconds: a contender whose warm-up call takes longer is timed by that "
                          "call alone (it is then far from the fastest; bounds the AM-sized run)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--one-way", action="store_true",
+                    help="graphs without inverse relations (then (src, rel) and (dst, rel) "
+                         "pairs differ in number); rows named e.g. aifb-1way")
     ap.add_argument("--append", action="store_true",
                     help="keep the rows of other datasets already in the output")
     a = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(a.threads)
     names = ["aifb", "mutag"] + ([] if a.quick else ["bgs"]) + (["am"] if a.am else [])
     if a.datasets:
         names = a.datasets.split(",")
+    label = {n: n + ("-1way" if a.one_way else "") for n in names}
     ks = [16] if a.quick else [16, 64]
     log = lambda s: print(s, flush=True, file=sys.stderr)
     load0 = _load()
@@ -136,22 +141,24 @@ def main(argv=None):
     rows, runs = [], []
     if a.append and os.path.exists(os.path.join(a.out, "hetero.csv")):
         with open(os.path.join(a.out, "hetero.csv")) as f:
-            rows = [r for r in csv.DictReader(f) if r["dataset"] not in names or (
+            rows = [r for r in csv.DictReader(f) if r["dataset"] not in label.values() or (
                 a.cases and f"{r['regularizer']}:{r['mode']}" not in a.cases.split(","))]
         for r in rows:
             r.setdefault("timed_once", "")
             r.setdefault("model_pick", "")
+            r.setdefault("dst_pairs_per_edge", r["src_pairs_per_edge"])   # inverse graphs
             for c in ("dgl_presorted_false_ms", "dgl_presorted_true_ms", "granii_ms",
                       "oracle_ms", "regret", "first_call_granii_ms", "first_call_dgl_ms"):
                 r[c] = float(r[c])
         with open(os.path.join(a.out, "runs.json")) as f:
             runs = json.load(f) if a.cases else [
-                x for x in json.load(f) if set(x["datasets"]) - set(names)]
-    runs.append({"datasets": names, "load_start": load0, "load_end": None, "minutes": 0.0,
+                x for x in json.load(f) if set(x["datasets"]) - set(label.values())]
+    runs.append({"datasets": list(label.values()), "load_start": load0, "load_end": None,
+                 "minutes": 0.0, "threads": a.threads,
                  "note": f"cases {a.cases}" if a.cases else ""})
     t_start = time.time()
     for name in names:
-        hg = hetero_graphs.generate(name, seed=0)
+        hg = hetero_graphs.generate(name, seed=0, inverse=not a.one_way)
         g, et = hetero_graphs.relational(hg)
         s = hetero_graphs.stats(g, et)
         log(f"{name}: {s}")
@@ -168,9 +175,10 @@ def main(argv=None):
                         name, g, et, reg, k, mode, rounds, log, a.budget)
                     best = min((c for c in med if c != "granii"), key=med.get)
                     rows.append({
-                        "dataset": name, "nodes": s["nodes"], "edges": s["edges"],
+                        "dataset": label[name], "nodes": s["nodes"], "edges": s["edges"],
                         "relations": s["relations"],
                         "src_pairs_per_edge": round(s["src_pairs_per_edge"], 3),
+                        "dst_pairs_per_edge": round(s["dst_pairs_per_edge"], 3),
                         "regularizer": reg or "none", "k": k, "mode": mode,
                         "dgl_presorted_false_ms": med["dgl presorted=False"] * 1e3,
                         "dgl_presorted_true_ms": med["dgl presorted=True"] * 1e3,
@@ -245,12 +253,13 @@ def write_md(rows, path, runs):
         "et al. 2018: entities, edges, relations; node-type counts assumed; each relation with its",
         "inverse), by `granii/hetero_graphs.py` -- not the real datasets. One RelGraphConv layer",
         "(k_in = k_out = k, self-loop), learned node embeddings as input. `python -m bench.hetero`;",
-        "2 torch threads, medians of interleaved rounds (contenders of one round run side by",
-        "side). A load average above about 0.5 at start or end means other work shared the",
-        "two cores: times are then inflated and noisy.",
+        "2 torch threads unless a run says otherwise, medians of interleaved rounds (contenders",
+        "of one round run side by side). A load average above about 0.5 at start or end means",
+        "other work shared the two cores: times are then inflated and noisy.",
         "Runs (1-minute load average at start and end):",
     ] + [f"- {', '.join(r['datasets'])}: {r['minutes']:.1f} min, load {r['load_start']:.2f} -> "
          + (f"{r['load_end']:.2f}" if r["load_end"] is not None else "(stopped)")
+         + (f", {r['threads']} threads" if r.get("threads", 2) != 2 else "")
          + (f" ({r['note']})" if r.get("note") else "") for r in runs] + [
         "",
         "`infer`: no gradients, new features every call. `train`: forward + backward. Times in ms.",
@@ -264,7 +273,7 @@ def write_md(rows, path, runs):
         "tie-break (which times it, the next one when predicted within 1.3x, and in inference",
         "DGL's forward, on the first calls).",
         "",
-        "| graph | pairs/edge | W | k | mode | DGL presorted=False | DGL presorted=True | granii | "
+        "| graph | (src, rel) / (dst, rel) pairs per edge | W | k | mode | DGL presorted=False | DGL presorted=True | granii | "
         "granii's choice | oracle | choice regret | model's pick regret | wrapped call regret | "
         "vs best DGL | first call granii / DGL |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -278,7 +287,7 @@ def write_md(rows, path, runs):
         r["regret"] = r["granii_ms"] / r["oracle_ms"]
         lines.append(
             f"| {r['dataset']} (N={r['nodes']}, E={r['edges']}, R={r['relations']}) | "
-            f"{r['src_pairs_per_edge']} | {r['regularizer']} | {r['k']} | {r['mode']} | "
+            f"{r['src_pairs_per_edge']} / {r['dst_pairs_per_edge']} | {r['regularizer']} | {r['k']} | {r['mode']} | "
             f"{r['dgl_presorted_false_ms']:.2f} | {r['dgl_presorted_true_ms']:.2f} | "
             f"{r['granii_ms']:.2f} | {r['granii_choice']} | {r['oracle_ms']:.2f} ({r['oracle']}) | "
             f"{cr:.2f}x | {_x(pick_regret(r))} | {r['regret']:.2f}x | "

@@ -39,8 +39,9 @@ Input-obliviously dominated compositions are pruned (``prune``: a composition wh
 every kind of work is at least another's at every corner of the admissible sizes, e.g. ``W_r at
 2`` is never better than ``W_r at 1``: |P_src| <= E); the rest are priced per input by
 ``plan_cost`` from the sizes (N_src, N_dst, E, |P_src|, |P_dst|, R, k_in, k_out, B) with this
-machine's rates (``rates``), and the measured tie-break of the dispatcher (``Trial``) times the
-two best and DGL's forward on the first calls. Every move, GEMM and combine is one kernel call,
+machine's rates at these widths (``rates``), and the measured tie-break of the dispatcher
+(``Trial``) times the two best and DGL's forward on the first calls. A composition whose
+intermediate results or folded index would not fit the machine is not run (``not_runnable``). Every move, GEMM and combine is one kernel call,
 whatever the number of relations.
 
 HeteroGraphConv

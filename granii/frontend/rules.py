@@ -394,9 +394,11 @@ def head_product(it, x, a):
     else:
         return None
     shape = param_shape(it, attr)
-    if x.ndim == 3 and it.heads and ndim <= 3:
+    if len(shape) < 2 or any(n != 1 for n in shape[:-2]):
+        return None
+    if x.ndim == 3 and it.heads and 2 <= ndim <= 3 and shape[-2] == it.heads[0]:
         return HeadProduct(x, attr)
-    if x.ndim == 2 and ndim == 2 and len(shape) >= 2 and all(n == 1 for n in shape[:-1]):
+    if x.ndim == 2 and ndim == 2 and shape[-2] == 1:
         return HeadProduct(x, attr)
     return None
 

@@ -275,15 +275,14 @@ def plan_code(plan, impls, name="plan"):
     for step in plan.steps:
         if step.var in inner:
             continue
-        expr = _expr(step, impl_of[step.var], plan.applies.get(step.var))
+        expr = _step_expr(plan, step, impl_of[step.var])
         if step.when == GRAPH:
             expr = f"once_per_graph(gi, {step.key!r}, lambda: {expr})"
         elif step.when == INPUT:
             chain = [by_var[v] for v in _chain(step, by_var, inner)]
             if chain:
                 lines.append(f"    def {step.var}_compute():")
-                lines += [f"        {c.var} = {_expr(c, impl_of[c.var], plan.applies.get(c.var))}"
-                          for c in chain]
+                lines += [f"        {c.var} = {_step_expr(plan, c, impl_of[c.var])}" for c in chain]
                 lines.append(f"        return {expr}")
                 expr = f"{step.var}_compute"
             else:
@@ -295,6 +294,21 @@ def plan_code(plan, impls, name="plan"):
     else:
         lines.append(f"    return {plan.out}")
     return "\n".join(lines) + "\n"
+
+
+def _step_expr(plan, step, impl):
+    """``_expr`` of a step of ``plan``; a scaling by a run-time scalar (GIN's ``1 + eps``) is
+    skipped when the scalar is exactly one and needs no gradient (an intermediate only)."""
+    expr = _expr(step, impl, plan.applies.get(step.var))
+    leaf = plan.leaves.get(step.args[0]) if step.prim == "row_scale" else None
+    if leaf is not None and leaf.source[0] == "scalar" and step.var != plan.out:
+        expr = f"{step.args[1]} if is_one({step.args[0]}) else {expr}"
+    return expr
+
+
+def is_one(s):
+    """``s`` (a one-element tensor) is exactly 1 and needs no gradient: scaling by it is a no-op."""
+    return not s.requires_grad and bool(s == 1)
 
 
 def _expr(step, impl, ref=None):
@@ -551,7 +565,7 @@ def diag_mul_torch(a, b):
 
 RUNTIME = {"torch": torch, "degree_power": degree_power, "once_per_graph": once_per_graph,
            "once_per_input": once_per_input, "diag_mul_torch": diag_mul_torch, "store": store,
-           "scalar": scalar, "head_diag": head_diag, "by_heads": by_heads, "gat_heads": gat_heads,
+           "scalar": scalar, "is_one": is_one, "head_diag": head_diag, "by_heads": by_heads, "gat_heads": gat_heads,
            "edge_ones": edge_ones, "gemm_pack": gemm_pack}
 
 

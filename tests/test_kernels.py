@@ -356,3 +356,23 @@ def test_spmm_weighted_heads_mismatch(graph):
     x = torch.randn(graph.num_src_nodes(), 4, 2)
     with pytest.raises(ValueError):
         kernels.get("spmm_weighted", "torch_csr")(graph_info(graph), w, x)
+
+
+def test_a_scaling_by_exactly_one_without_gradient_is_skipped():
+    """GIN's ``(1 + eps) H`` with ``eps = 0`` fixed: the generated code passes ``H`` on, and
+    scales whenever eps is not zero or is learned (its gradient needs the product)."""
+    from dgl.nn import GINConv
+
+    from granii import granii
+    from granii.plan import is_one
+    assert is_one(torch.ones(1)) and not is_one(torch.full((1,), 1.5))
+    assert not is_one(torch.ones(1, requires_grad=True))
+    g = dgl.add_self_loop(dgl.rand_graph(50, 200))
+    x = torch.randn(50, 6)
+    for learn in (False, True):
+        layer = GINConv(torch.nn.Linear(6, 3), "sum", learn_eps=learn)
+        want = layer(g, x)
+        granii(layer, g, x)
+        torch.testing.assert_close(layer(g, x), want)
+        code = granii.explain(layer, file=open("/dev/null", "w"))
+        assert "if is_one(scalar_eps) else row_scale" in code

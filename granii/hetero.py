@@ -39,8 +39,9 @@ Input-obliviously dominated compositions are pruned (``prune``: a composition wh
 every kind of work is at least another's at every corner of the admissible sizes, e.g. ``W_r at
 2`` is never better than ``W_r at 1``: |P_src| <= E); the rest are priced per input by
 ``plan_cost`` from the sizes (N_src, N_dst, E, |P_src|, |P_dst|, R, k_in, k_out, B) with this
-machine's rates at these widths (``rates``), and the measured tie-break of the dispatcher
-(``Trial``) times the two best and DGL's forward on the first calls. A composition whose
+machine's rates at these widths (``rates``), and a measured tie-break settles the rest: in
+inference the dispatcher's ``Trial`` times the two best and DGL's forward on the first calls; in
+training the two best are timed forward + backward on the first call (``training_times``). A composition whose
 intermediate results or folded index would not fit the machine is not run (``not_runnable``). Every move, GEMM and combine is one kernel call,
 whatever the number of relations.
 
@@ -522,8 +523,9 @@ class RelState:
             p("  kept DGL's forward (measured fastest)" if ranking else
               "  no composition can run on this input: DGL's forward runs")
         if self.tuned:
-            times, kept_label = self.tuned
-            p("  measured on the first calls (fastest call): " + ", ".join(
+            times, kept_label = self.tuned[:2]
+            how = self.tuned[2] if len(self.tuned) > 2 else "forward, on the first calls"
+            p(f"  measured ({how}; fastest run): " + ", ".join(
                 f"{label} {t * 1e3:.3f} ms" for label, t in times) + f"; kept {kept_label}")
         p("")
 
@@ -638,7 +640,8 @@ def rel_dispatch(state, options, layer, args, kwargs):
     key = (lin.regularizer, getattr(lin, "num_bases", 1), lin.in_size, lin.out_size) + mode
     decision = per_idx.get(key)
     if decision is None:
-        decision = per_idx[key] = _rel_decide(state, options, idx, lin, mode, g.is_block)
+        decision = per_idx[key] = _rel_decide(state, options, idx, lin, mode, g.is_block,
+                                              feat, norm)
     if isinstance(decision, Trial):
         label, plan = decision.next()[:2]
         t0 = time.perf_counter()
@@ -688,7 +691,32 @@ def runnable(plans, sizes, k_in, k_out, B, reg):
     return [p for p in plans if not_runnable(p, sizes, k_in, k_out, B, reg) is None]
 
 
-def _rel_decide(state, options, idx, lin, mode, is_block):
+TRAINING_TRIAL_REPS = 2
+
+
+def training_times(cands, idx, lin, feat, norm, reps=TRAINING_TRIAL_REPS):
+    """``[(label, seconds)]``: forward + backward of each candidate plan on this call's input
+    (one untimed run, then the fastest of ``reps``). The gradients are taken by
+    ``torch.autograd.grad`` and dropped: nothing accumulates in ``.grad``, no random number is
+    drawn (dropout is in the epilogue, outside the plan)."""
+    wrt = [t for t in (feat, norm, *lin.parameters()) if t is not None and t.requires_grad]
+    out = []
+    for label, plan in cands:
+        def step():
+            y = run_plan(plan, idx, lin, feat, norm)
+            if y.requires_grad:
+                torch.autograd.grad(y, wrt, torch.ones_like(y), allow_unused=True)
+        step()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            step()
+            ts.append(time.perf_counter() - t0)
+        out.append((label, min(ts)))
+    return out
+
+
+def _rel_decide(state, options, idx, lin, mode, is_block, feat=None, norm=None):
     B = getattr(lin, "num_bases", 1)
     sizes = idx.sizes()
     kept = runnable(plans_for(lin.regularizer)[0], sizes, lin.in_size, lin.out_size, B,
@@ -705,8 +733,16 @@ def _rel_decide(state, options, idx, lin, mode, is_block):
         cands.append((plan_name(ranking[1][0]), ranking[1][0]))
     tune = (options.tune and not is_block and options.expected_calls > 1
             and not torch.are_deterministic_algorithms_enabled())
-    if not tune:
+    if not tune or (mode[0] and len(cands) == 1):
         return cands[0]
+    if mode[0]:
+        # a trial over calls would time forwards only: the backward is most of a training step
+        times = training_times(cands, idx, lin, feat, norm)
+        label = min(times, key=lambda t: t[1])[0]
+        winner = next(c for c in cands if c[0] == label)
+        state.tuned = (times, label, "forward + backward, on the first call")
+        state.last = state.last[:3] + (winner[1],)
+        return winner
     return FastestTrial(cands + trial_original(mode))
 
 

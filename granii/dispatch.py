@@ -10,6 +10,16 @@
     call; on a miss, ranks the promoted plans with the cost model and compiles the winner;
  4. runs the chosen plan on the layer's own parameters and submodules.
 
+The fast path: once a verified decision has run the normal way for a call on a graph (from the
+second call on that graph), the dispatcher keeps a ``FastRun`` for it, under the call's guard
+(``call_guard``: grad and inference mode, threads, deterministic algorithms, the layer's training
+flag, each argument's type, shape, dtype, device and ``requires_grad``) and the mode the guard
+does not fix (training, features repeated). A later call with that guard on that graph checks
+with one generated function (``_BindWriter``) that each configuration attribute the variant
+assumed is the same object, that each parameter has its shape, and runs the checks that read
+more than the graph; then it calls the plan on the operands read live. Anything it cannot prove
+sends the call through the normal path (steps 1-4), which makes a new run.
+
 Everything a plan reads at run time (parameters, activations, dropout, ``apply_func``) is looked
 up on the instance that runs it, so copies, pickles and two models in one process each use their
 own. Anything the offline stage cannot handle, for any reason, runs the original forward and the
@@ -273,94 +283,102 @@ def _value_guard(v):
     return None
 
 
-class _Stale(Exception):
-    """A fast entry's assumption does not hold for this call: the normal path runs."""
+@dataclass
+class FastRun:
+    """One decision of a fast entry: ``fn`` (``None``: the original forward) run on the values
+    ``bind(layer, gi, args, kwargs)`` returns, the plan's operands in its argument order.
+
+    ``bind`` is generated for this run (``_BindWriter``; its code is ``source``). It reads every
+    operand live on every call (parameters are the module's tensors of this call, however an
+    optimizer, ``load_state_dict`` or an assignment changed them) and returns ``None`` when an
+    assumption of the decision no longer holds: a configuration attribute the compiled variant
+    assumed is not the object it was when the run was made (re-assigned, even to an equal
+    value: the normal path then checks it and makes a new run), or a parameter, an attention
+    vector or an edge value the normal path would bind has another shape (the decision was made
+    for those sizes)."""
+    label: str
+    fn: object
+    bind: object
+    source: str
 
 
 @dataclass
 class FastEntry:
-    """What a call on one graph with one guard needs to run its decision again.
-
-    ``reads``: the module attributes the call depends on (configuration, parameters and the
-    submodules holding them), as an ``AttributeProgram``. ``same``: ``(slot, object)`` for each
-    configuration attribute the compiled variant assumed, as found after a call that checked
-    them; the entry holds while each is the same object (re-assigned, even to an equal value,
-    the normal path checks it and makes a new entry). ``shapes``: ``(slot, shape)`` of each
-    parameter read: the decision was made for those sizes. ``leaves``: ``(variable, reader)``
-    of every operand of the plans, each read live on every call (parameters are the module's
-    tensors of this call, however an optimizer, ``load_state_dict`` or an assignment changed
-    them). ``runs``: the decision ``(label, fn, leaf order)`` per ``(training, input
-    repeats)``, the part of a decision's mode the guard does not fix."""
+    """The fast path of calls on one graph with one call guard: the compiled variant, where the
+    features are among the arguments, and a ``FastRun`` per ``(training, input repeats)``, the
+    part of a decision's mode the guard does not fix."""
     compiled: object
-    reads: object
-    same: list
-    shapes: list
-    leaves: list
-    feat: object                                     # reader of the features argument
+    feat: object                                     # (args, kwargs) -> the features
     runs: dict = field(default_factory=dict)
 
-    def bind(self, layer, gi, args, kwargs):
-        """``{variable: value}`` of this call, or ``None`` when an attribute is not the object
-        it was, a parameter or an edge value changed shape, or something cannot be read."""
-        try:
-            objs = self.reads.run(layer)
-            for slot, obj in self.same:
-                if objs[slot] is not obj:
-                    return None
-            for slot, shape in self.shapes:
-                if objs[slot].shape != shape:
-                    return None
-            return {var: read(objs, gi, args, kwargs) for var, read in self.leaves}
-        except Exception:        # noqa: BLE001 - whatever fails here, the normal path decides
-            return None
 
+class _BindWriter:
+    """Writes the source of a ``FastRun``'s ``bind``: straight-line reads and checks.
 
-class AttributeProgram:
-    """Reading several dotted attribute paths of a module at once, each prefix once.
+    A module attribute is read where ``_get`` found it when the run was made: the instance
+    dictionary, a module store (``_parameters``, ``_buffers``, ``_modules``: only while the
+    instance dictionary does not have the name, which would take precedence) or ``getattr`` (a
+    name the class defines, or an attribute of an object that is no module). Every object read
+    from must still be of its class (a class defines which names it takes over). ``nn.Module``'s
+    own assignments keep a name in one store, and moving it leaves the old one without it, so a
+    read either finds the current value or fails. Each prefix of the paths is read once."""
 
-    Each step ``(source slot, name, store, class)`` reads ``name`` on the object in ``source
-    slot`` into the next slot (slot 0 is the module), where ``_get`` found it when the program was
-    made: ``""`` the instance dictionary, ``"_parameters"``, ``"_buffers"`` or ``"_modules"``, or
-    ``None`` for a plain ``getattr`` (a name the class defines, or an object that is no module).
-    A step raises ``_Stale`` when the object is of another class or, for a module store, when
-    the instance dictionary has the name too (it would take precedence); ``nn.Module``'s own
-    assignments keep a name in one store, and moving it leaves the old store without it."""
+    def __init__(self, layer):
+        self.lines = ["def bind(m, gi, a, k):"]
+        self.consts = {}
+        self.objs = {(): ("m", layer)}        # path -> (local variable, object when made)
+        self.containers = set()                 # variables whose class is checked
+        self.shaped = set()                     # variables whose shape is checked
 
-    def __init__(self, module, paths):
-        self.steps, self.slot = [], {(): 0}
-        objs = [module]
-        for parts in paths:
-            for i in range(1, len(parts) + 1):
-                if parts[:i] in self.slot:
-                    continue
-                parent = objs[self.slot[parts[:i - 1]]]
-                name = parts[i - 1]
-                self.steps.append((self.slot[parts[:i - 1]], name, _store_of(parent, name),
-                                   type(parent)))
-                self.slot[parts[:i]] = len(objs)
-                objs.append(_get(parent, name))
+    def const(self, value):
+        name = f"c{len(self.consts)}"
+        self.consts[name] = value
+        return name
 
-    def run(self, module):
-        objs = [module]
-        for src, name, store, cls in self.steps:
-            obj = objs[src]
-            if type(obj) is not cls:
-                raise _Stale
-            if store is None:
-                objs.append(getattr(obj, name))
-                continue
-            d = obj.__dict__
-            if not store:
-                objs.append(d[name])
-            elif name in d:
-                raise _Stale
-            else:
-                objs.append(d[store][name])
-        return objs
+    def read(self, parts):
+        """The local variable holding the attribute at ``parts`` (``_get`` semantics)."""
+        if parts in self.objs:
+            return self.objs[parts][0]
+        parent = self.read(parts[:-1])
+        obj = self.objs[parts[:-1]][1]
+        name = parts[-1]
+        store = _store_of(obj, name)
+        if parent not in self.containers:
+            self.containers.add(parent)
+            self.lines.append(f"    if type({parent}) is not {self.const(type(obj))}: return None")
+            if store is not None:
+                self.lines.append(f"    d_{parent} = {parent}.__dict__")
+        var = f"o{len(self.objs)}"
+        if store is None:
+            self.lines.append(f"    {var} = getattr({parent}, {name!r})")
+        elif not store:
+            self.lines.append(f"    {var} = d_{parent}[{name!r}]")
+        else:
+            self.lines.append(f"    if {name!r} in d_{parent}: return None")
+            self.lines.append(f"    {var} = d_{parent}[{store!r}][{name!r}]")
+        self.objs[parts] = (var, _get(obj, name))
+        return var
+
+    def same(self, parts):
+        var = self.read(parts)
+        self.lines.append(f"    if {var} is not {self.const(self.objs[parts][1])}: return None")
+
+    def shape(self, var, shape):
+        if var not in self.shaped:
+            self.shaped.add(var)
+            self.lines.append(f"    if {var}.shape != {self.const(shape)}: return None")
+
+    def compile(self, returned):
+        self.lines.append(f"    return ({''.join(e + ', ' for e in returned)})")
+        source = "\n".join(self.lines) + "\n"
+        ns = dict(self.consts)
+        exec(compile(source, "<granii fast path>", "exec"), ns)
+        return ns["bind"], source
 
 
 def _store_of(obj, name):
-    """Where ``_get`` finds ``obj.<name>``: see ``AttributeProgram``."""
+    """Where ``_get`` finds ``obj.<name>``: ``None`` (getattr), ``""`` (the instance dictionary)
+    or the module store that holds it (see ``_BindWriter``)."""
     cls = type(obj)
     if hasattr(cls, name) or not isinstance(obj, torch.nn.Module):
         return None
@@ -371,7 +389,7 @@ def _store_of(obj, name):
 
 
 def _fast_hit(state, options, layer, guard, args, kwargs):
-    """``(gi, leaf values, (label, fn, order))`` when this call's fast entry holds, else ``None``."""
+    """``(gi, run, plan arguments)`` when this call's fast run holds, else ``None``."""
     gi = known_info(args[0])
     if gi is None:
         return None
@@ -379,97 +397,157 @@ def _fast_hit(state, options, layer, guard, args, kwargs):
     entry = table.get(guard) if table else None
     if entry is None:
         return None
-    vals = entry.bind(layer, gi, args, kwargs)
-    if vals is None:
-        return None
     training = guard[_GRAD] and _any_requires_grad(layer)
-    feat = entry.feat(None, gi, args, kwargs)
+    feat = entry.feat(args, kwargs)
     ident = input_identity(feat) if options.reuse_inputs else None
     run = entry.runs.get((training, _repeats(state, feat, ident)))
     if run is None:
         return None
+    try:
+        vals = run.bind(layer, gi, args, kwargs)
+    except Exception:            # noqa: BLE001 - whatever fails here, the normal path decides
+        return None
+    if vals is None:
+        return None
     state.last_input = None if ident is None else (weakref.ref(feat), ident)
-    return gi, vals, run
+    return gi, run, vals
 
 
 def _fast_run(state, options, layer, hit, args, kwargs):
-    gi, vals, (label, fn, order) = hit
+    gi, run, vals = hit
     REUSE["inputs"] = options.reuse_inputs
     state.calls += 1
     state.fallback = None
-    if fn is None:
+    if run.fn is None:
         return original_forward(layer, args, kwargs)
-    return fn(gi, layer, *[vals[v] for v in order])
+    return run.fn(gi, layer, *vals)
 
 
-def _remember(state, layer, guard, call, run, args, kwargs):
-    """Keep ``run`` (a verified decision, just run the normal way) as this call's fast path.
+def _remember(state, layer, guard, call, decision, args, kwargs):
+    """Keep ``decision`` (verified, just run the normal way) as this call's fast path.
 
     Not on the first call on a graph: a sampled block is called once, and would only pay for
-    an entry it never uses."""
+    a run it never uses."""
     table = state.fast.get(call.gi)
     if table is None:
         state.fast[call.gi] = {}
         return
     entry = table.get(guard)
-    if entry is None or entry.compiled is not call.compiled or \
-            entry.bind(layer, call.gi, args, kwargs) is None:
-        table.pop(guard, None)
-        entry = _fast_entry(state, layer, call, len(args), kwargs)
-        if entry is None:
+    if entry is None or entry.compiled is not call.compiled:
+        names, defaults, simple = state.params
+        if not simple:
             return
         if len(table) >= _FAST_ENTRIES:
             table.clear()
-        table[guard] = entry
-    entry.runs[(call.training, call.input_repeats)] = run
+        place = _places(names, defaults, len(args), kwargs)
+        entry = table[guard] = FastEntry(call.compiled, _arg_reader(names[1], place))
+    mode = (call.training, call.input_repeats)
+    try:
+        run = _fast_run_of(state, layer, call, decision, len(args), kwargs)
+    except Exception:            # noqa: BLE001 - an attribute gone since the call: no run
+        run = None
+    if run is None:
+        entry.runs.pop(mode, None)
+    else:
+        entry.runs[mode] = run
 
 
-def _fast_entry(state, layer, call, n_args, kwargs):
-    """A ``FastEntry`` for this call, or ``None`` when the normal path's checks cannot all be
-    replaced by the entry's: a forward with ``*args`` or keyword-only parameters, a check that
-    reads more than the graph, an attribute that no longer has the value the variant assumed
-    (a plan that stores one, as SGConv's cache), or an operand of a kind it does not know."""
-    names, defaults, simple = state.params
+def _fast_run_of(state, layer, call, decision, n_args, kwargs):
+    """A ``FastRun`` of ``decision`` for calls like this one, or ``None`` when the normal path's
+    checks cannot all be replaced by its ``bind``: an attribute that no longer has the value the
+    variant assumed (a plan that stores one, as SGConv's cache) or an operand of a kind it does
+    not know."""
+    label, fn, order = decision
+    names, defaults, _ = state.params
     compiled = call.compiled
-    if not simple or not _checks_once_per_graph(compiled.layer_ir, names, layer):
-        return None
-    checks = _config_checks(compiled)
-    params = {v: _parts(l.source[1]) for v, l in compiled.leaves.items()
-              if l.source[0] in ("param", "param_block", "headdiag")}
-    reads = AttributeProgram(layer, [p for p, _, _ in checks] + list(params.values()))
-    objs = reads.run(layer)
-    same = []
-    for parts, want_id, want in checks:
-        if not _config_value_holds(objs[reads.slot[parts]], want_id, want):
+    w = _BindWriter(layer)
+    for parts, want_id, want in _config_checks(compiled):
+        w.read(parts)
+        if not _config_value_holds(w.objs[parts][1], want_id, want):
             return None
-        same.append((reads.slot[parts], objs[reads.slot[parts]]))
-    shapes = {reads.slot[p]: objs[reads.slot[p]].shape for p in params.values()}
+        w.same(parts)
     place = _places(names, defaults, n_args, kwargs)
-    leaves = []
+    exprs = {}
     for var, leaf in compiled.leaves.items():
-        if leaf.source[0] in COMPUTED:
+        if leaf.source[0] in COMPUTED and leaf.source[0] != "headdiag":
             continue
-        read = _leaf_reader(compiled, var, leaf, place, reads.slot.get(params.get(var)),
-                            getattr(call.leaf_vals[var], "shape", None))
-        if read is None:
+        expr = _leaf_expr(w, compiled, var, leaf, place, call.leaf_vals.get(var),
+                          fn is not None and var in order)
+        if expr is None:
             return None
-        leaves.append((var, read))
-    return FastEntry(compiled, reads, same, list(shapes.items()), leaves,
-                     _arg_reader(names[1], place))
+        exprs[var] = expr
+    guards, conditions = _per_call_checks(compiled.layer_ir, names, layer)
+    if guards or conditions:
+        values = ", ".join(f"{n!r}: {_arg_expr(w, n, place, None)}" for n in names)
+        w.lines.append(f"    if not {w.const(_checks_hold)}(m, {{{values}}}, "
+                       f"{w.const(guards)}, {w.const(conditions)}): return None")
+    bind, source = w.compile([exprs[v] for v in order] if fn is not None else [])
+    return FastRun(label, fn, bind, source)
 
 
-def _checks_once_per_graph(lir, names, module):
-    """Whether every check of a variant (the conditions it branched on, the layer's own guards)
-    reads the graph alone (a guard also the module): those the normal path evaluates once per
-    graph, so holding once for a graph they hold for every call on it."""
+def _leaf_expr(w, compiled, var, leaf, place, value, used):
+    """The expression of ``bind`` reading one leaf as ``_bind`` does, after the reads and
+    checks it needs (written whether the plan uses the leaf or not: the normal path checks
+    every leaf's size); a view of a weight only when ``used``. ``None`` for a kind the fast path
+    does not know."""
+    kind = leaf.source[0]
+    if kind in ("arg", "edge"):
+        return _arg_expr(w, leaf.source[1], place, value)
+    if kind == "arg_dst":
+        return None if ":" in leaf.source[1] else \
+            f"{_arg_expr(w, leaf.source[1], place, None)}[:gi.num_dst]"
+    if kind not in ("param", "param_block", "headdiag"):
+        return None
+    parts = _parts(leaf.source[1])
+    obj = w.read(parts)
+    shape = getattr(w.objs[parts][1], "shape", None)
+    if shape is None:
+        return None
+    w.shape(obj, shape)
+    if used and (kind == "param_block" or leaf.transposed):
+        return f"{w.const(_view)}({w.const(compiled)}, {var!r}, {w.const(leaf)}, {obj})"
+    return obj
+
+
+def _arg_expr(w, name, place, value):
+    """A forward() argument (its shape is in the call guard), or ``srcdata:h`` / ``edata:w``
+    read from the graph, whose shape must be ``value``'s (a frame's value can be replaced)."""
+    if ":" in name:
+        frame, key = name.split(":", 1)
+        var = f"e{len(w.lines)}"
+        w.lines.append(f"    {var} = getattr(a[0], {frame!r})[{key!r}]")
+        w.shape(var, value.shape)
+        return var
+    where, at = place[name]
+    if where == "pos":
+        return f"a[{at}]"
+    return f"k[{at!r}]" if where == "kw" else w.const(at)
+
+
+def _per_call_checks(lir, names, module):
+    """The checks of a variant the normal path runs on every call, compiled: ``(guards,
+    conditions)``, the layer's own checks and the conditions the variant branched on that read
+    more than the graph (a guard: than the graph and the module). The others ran for this graph
+    and hold for every call on it."""
     graph_name = names[0]
-    if any(not set(reads) <= {graph_name} for _, reads, _ in lir.spec):
-        return False
     module_globals = type(module).forward.__globals__
-    for _, reads in lir.guards:
-        if not {n for n in reads if n in names or n not in module_globals} <= {graph_name, "self"}:
-            return False
-    return True
+    guards = [check_code(text, "exec") for text, reads in lir.guards
+              if not {n for n in reads if n in names or n not in module_globals}
+              <= {graph_name, "self"}]
+    conditions = [(check_code(text, "eval"), value) for text, reads, value in lir.spec
+                  if not set(reads) <= {graph_name}]
+    return guards, conditions
+
+
+def _checks_hold(module, values, guards, conditions):
+    """Run ``_per_call_checks`` as the normal path does, in one namespace per call: the
+    module's globals, the forward's arguments and ``self``. A failing guard raises."""
+    ns = dict(type(module).forward.__globals__)
+    ns.update(values)
+    ns["self"] = module
+    for code in guards:
+        exec(code, ns)
+    return all(bool(eval(code, ns)) == value for code, value in conditions)
 
 
 def _places(names, defaults, n_args, kwargs):
@@ -486,43 +564,14 @@ def _places(names, defaults, n_args, kwargs):
     return place
 
 
-def _arg_reader(name, place, shape=None):
-    """A function of ``(attribute slots, gi, args, kwargs)`` reading a forward() argument, or
-    ``srcdata:h`` / ``edata:w`` from the graph, which must have ``shape`` (a frame's value can
-    be replaced by one of another size; an argument's shape is in the call guard)."""
-    if ":" in name:
-        frame, key = name.split(":", 1)
-
-        def from_graph(objs, gi, a, k):
-            v = getattr(a[0], frame)[key]
-            if v.shape != shape:
-                raise _Stale
-            return v
-        return from_graph
+def _arg_reader(name, place):
+    """A function of ``(args, kwargs)`` reading the forward() argument ``name``."""
     where, at = place[name]
     if where == "pos":
-        return lambda objs, gi, a, k: a[at]
+        return lambda a, k: a[at]
     if where == "kw":
-        return lambda objs, gi, a, k: k[at]
-    return lambda objs, gi, a, k: at
-
-
-def _leaf_reader(compiled, var, leaf, place, slot, shape):
-    """A function reading one leaf's value as ``_bind`` does (``shape``: its shape in the call
-    the entry was made from), or ``None`` for a kind it does not know."""
-    kind = leaf.source[0]
-    if kind in ("arg", "edge"):
-        return _arg_reader(leaf.source[1], place, shape)
-    if kind == "arg_dst":
-        if ":" in leaf.source[1]:
-            return None
-        arg = _arg_reader(leaf.source[1], place)
-        return lambda objs, gi, a, k: arg(objs, gi, a, k)[: gi.num_dst]
-    if kind not in ("param", "param_block"):
-        return None
-    if kind == "param_block" or leaf.transposed:
-        return lambda objs, gi, a, k: _view(compiled, var, leaf, objs[slot])
-    return lambda objs, gi, a, k: objs[slot]
+        return lambda a, k: k[at]
+    return lambda a, k: at
 
 
 def _repeats(state, feat, ident):
@@ -875,7 +924,7 @@ def _holds(variant, module, values, gi):
         else:
             if ns is None:
                 ns = dict(type(module).forward.__globals__, **values, self=module)
-            now = bool(eval(text, ns))
+            now = bool(eval(check_code(text, "eval"), ns))
             if graph_only:
                 gi.cache[ckey] = now
         if now != value:
@@ -977,6 +1026,17 @@ def _unsupported_input(graph, feat):
     return None
 
 
+_CHECK_CODE = {}
+
+
+def check_code(text, mode):
+    """``compile(text)`` of a check kept from a layer's source, once per text."""
+    code = _CHECK_CODE.get((text, mode))
+    if code is None:
+        code = _CHECK_CODE[(text, mode)] = compile(text, "<check from the layer's source>", mode)
+    return code
+
+
 def _run_guards(state, lir, gi, values, module):
     """Run the checks kept from the layer's source; those on the graph alone once per graph."""
     module_globals = type(module).forward.__globals__
@@ -995,7 +1055,7 @@ def _run_guards(state, lir, gi, values, module):
         ns["self"] = module
         # a check that fails raises here; the dispatcher then runs the original forward,
         # which raises the layer's own error
-        exec(compile(text, f"<check in {state.name}>", "exec"), ns)
+        exec(check_code(text, "exec"), ns)
         if graph_only:
             per_graph[gkey] = True
 

@@ -4,6 +4,7 @@ import copy
 import dgl
 import pytest
 import torch
+import dgl.function as fn
 from dgl.nn import GraphConv, SAGEConv
 from torch import nn
 
@@ -465,3 +466,53 @@ def test_fast_entries_do_not_keep_a_graph_alive():
     gc.collect()
     assert alive() is None
     assert len(st.fast) == 0
+
+
+def test_keyword_edge_weights_and_their_absence_each_have_their_fast_path(monkeypatch):
+    """Edge weights passed by keyword (new each call), then calls without them: each call
+    signature gets its own fast path, with DGL's outputs."""
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    torch.manual_seed(0)
+    ref = GraphConv(8, 4, norm="both")
+    layer = copy.deepcopy(ref)
+    granii(layer, g, x, cost_model=AnalyticalCost(), tune=False)
+    normal = _normal_path_calls(monkeypatch)
+    with torch.no_grad():
+        for i in range(8):
+            w = torch.rand(g.num_edges())
+            kw = {"edge_weight": w} if i % 2 else {}
+            torch.testing.assert_close(layer(g, x.clone(), **kw), ref(g, x, **kw))
+    assert 0 < len(normal) <= 4            # at most two calls per signature
+
+
+class CheckedSum(nn.Module):
+    """A layer whose own check reads the features' values, not only the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, graph, feat):
+        if (feat < -100).any():
+            raise ValueError("features below -100")
+        with graph.local_scope():
+            graph.ndata["h"] = self.lin(feat)
+            graph.update_all(fn.copy_u("h", "m"), fn.sum("m", "h"))
+            return graph.ndata["h"]
+
+
+def test_a_check_on_the_features_runs_on_every_fast_call(monkeypatch):
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    layer, ref = _optimized_pair(CheckedSum, g, x)
+    assert layer_states(layer)[0].fallback is None
+    normal = _normal_path_calls(monkeypatch)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(g, x.clone()), ref(g, x))
+        assert normal == []
+        bad = x.clone()
+        bad[3, 1] = -1000.0
+        with pytest.raises(ValueError, match="below -100"):
+            layer(g, bad)
+        torch.testing.assert_close(layer(g, x.clone()), ref(g, x))

@@ -741,3 +741,27 @@ def test_transposed_weight_in_user_code_is_lowered():
         for a, b in zip(gg, gw):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert [s.fallback for s in layer_states(ours)] == [None]
+
+
+class FeatureScale(GeluMailbox):
+    """x * gamma + beta with per-feature parameters of shape (1, F): not attention scores."""
+
+    def __init__(self, k_in, k_out):
+        super().__init__(k_in, k_out)
+        self.gamma = nn.Parameter(torch.rand(1, k_out) + 0.5)
+
+    def forward(self, g, h):
+        with g.local_scope():
+            g.ndata["h"] = self.lin(h)
+            g.update_all(fn.copy_u("h", "m"), fn.sum("m", "h"))
+            return g.ndata["h"] * self.gamma + self.lin.bias
+
+
+def test_per_feature_product_with_a_parameter_runs_as_written():
+    g = GRAPHS["zero_in_degree"]()
+    x = features(g, 6)
+    layer = FeatureScale(6, 4)
+    ref = copy.deepcopy(layer)
+    granii(layer, g, x)
+    torch.testing.assert_close(layer(g, x), ref(g, x))
+    assert "operator Add on features * self.gamma" in layer_states(layer)[0].fallback

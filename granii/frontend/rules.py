@@ -367,6 +367,10 @@ def binop(it, op, a, b, node):
         hp = head_product(it, a, b) or head_product(it, b, a)
         if hp is not None:
             return hp
+    if isinstance(a, HeadProduct) or isinstance(b, HeadProduct):
+        hp = a if isinstance(a, HeadProduct) else b
+        fail(node, f"operator {op} on features * self.{hp.attr}", "an element-wise product with "
+             "a parameter is lowered only when summed over the last dimension (attention scores)")
     if isinstance(a, ParamItem) or isinstance(b, ParamItem):
         item = a if isinstance(a, ParamItem) else b
         fail(node, f"self.{item.attr}[0] in operator {op}", "an indexed parameter is lowered "

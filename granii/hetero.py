@@ -83,7 +83,8 @@ class RelIndex:
     """Index spaces of one graph under one edge-type vector (built once per graph and types).
 
     ``size[s]``: rows of space ``s``; ``at[s]``: per edge (edge-id order), its row in space ``s``;
-    ``rel[s]``/``seglen[s]`` for relation-carrying spaces (rows sorted by relation)."""
+    ``rel[s]``/``seglen[s]`` for the spaces whose rows are sorted by relation (1, 2, 3; the rows
+    of ``0R``, node-major, are made by one GEMM and never segmented: no ``N R`` index is kept)."""
 
     def __init__(self, g, etypes, num_rels):
         u, v = g.edges(order="eid")
@@ -98,8 +99,7 @@ class RelIndex:
         pd, inv_d = torch.unique(r * max(nd, 1) + v, return_inverse=True)
         self.size = {"0": ns, "0R": ns * R, "1": ps.numel(), "2": e, "3": pd.numel(), "4": nd}
         self.at = {"0": u, "0R": u * R + r, "1": inv_s, "2": pos, "3": inv_d, "4": v}
-        self.rel = {"0R": torch.arange(ns * R) % max(R, 1), "1": ps // max(ns, 1),
-                    "2": r[order], "3": pd // max(nd, 1)}
+        self.rel = {"1": ps // max(ns, 1), "2": r[order], "3": pd // max(nd, 1)}
         self.seglen = {s: torch.bincount(t, minlength=R)[:R].long() for s, t in self.rel.items()}
         self.r = r
         self.u, self.v, self.order = u, v, order

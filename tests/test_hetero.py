@@ -207,6 +207,14 @@ def test_rates_measured_per_width_bucket():
     assert all(v > 0 for v in r.values())
 
 
+def test_index_keeps_nothing_of_size_nodes_times_relations():
+    """The index of a graph with many relations holds tensors of at most max(E, N) entries."""
+    g, et = rel_graph("unsorted")
+    idx = hetero.relational_index(g, et, 5000)
+    held = [t for d in (idx.at, idx.rel, idx.seglen, idx.node) for t in d.values()]
+    assert max(t.numel() for t in held) <= max(idx.E, idx.N_src, 5000)
+
+
 def test_move_matches_reference():
     gen = torch.Generator().manual_seed(0)
     row, col = torch.randint(0, 30, (200,), generator=gen), torch.randint(0, 40, (200,), generator=gen)

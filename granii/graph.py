@@ -37,19 +37,30 @@ def nbytes(value, seen=None):
     """Bytes of the tensors held in ``value`` (tuples, lists, dicts of tensors), each storage once."""
     seen = set() if seen is None else seen
     if isinstance(value, torch.Tensor):
-        try:
-            ptr = value.untyped_storage().data_ptr()
-        except RuntimeError:
-            return 0
-        if ptr in seen:
-            return 0
-        seen.add(ptr)
-        return value.untyped_storage().nbytes()
+        return _storage_bytes(value, seen)
     if isinstance(value, dict):
         value = value.values()
     elif not isinstance(value, (tuple, list)):
         return 0
-    return sum(nbytes(v, seen) for v in value)
+    total = 0
+    for v in value:             # most items are tensors or hold none (ints, weak references)
+        if isinstance(v, torch.Tensor):
+            total += _storage_bytes(v, seen)
+        elif isinstance(v, (tuple, list, dict)):
+            total += nbytes(v, seen)
+    return total
+
+
+def _storage_bytes(t, seen):
+    try:
+        storage = t.untyped_storage()
+    except RuntimeError:
+        return 0
+    ptr = storage.data_ptr()
+    if ptr in seen:
+        return 0
+    seen.add(ptr)
+    return storage.nbytes()
 
 
 class GraphCache(dict):

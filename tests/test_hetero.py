@@ -215,6 +215,14 @@ def test_index_keeps_nothing_of_size_nodes_times_relations():
     assert max(t.numel() for t in held) <= max(idx.E, idx.N_src, 5000)
 
 
+def test_segment_gemm_gradients():
+    gen = torch.Generator().manual_seed(2)
+    seglen = torch.tensor([3, 0, 7, 1, 0])                     # empty relations among them
+    x = torch.randn(11, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(5, 4, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: typed.segment_gemm(a, b, seglen), (x, w))
+
+
 def test_move_matches_reference():
     gen = torch.Generator().manual_seed(0)
     row, col = torch.randint(0, 30, (200,), generator=gen), torch.randint(0, 40, (200,), generator=gen)

@@ -15,7 +15,8 @@ transpose, for the backward, is built on the first backward); ``dval`` is one
 
 ``segment_gemm(x, w, seglen)`` is ``Y[rows of segment r] = X[rows of segment r] W_r``: rows are
 sorted by relation; one ``dgl.ops.segment_mm`` call (a loop over relations inside the library,
-not in Python), with gradients to ``X`` and ``W``.
+not in Python), with gradients to ``X`` (the same call on ``W_r^T``) and ``W`` (one GEMM per
+relation, ``segment_weight_grad``).
 """
 import dgl
 import torch
@@ -129,9 +130,9 @@ def segment_gemm(x, w, seglen):
 
 
 class _SegmentGemm(torch.autograd.Function):
-    """Forward and ``dX = dY W_r^T`` by ``dgl.ops.segment_mm``; ``dW_r = X_r^T dY_r`` as one move
-    (``_weight_grad_move``): DGL's own weight gradient loops over rows and was measured 20x
-    slower than its forward."""
+    """Forward and ``dX = dY W_r^T`` by ``dgl.ops.segment_mm``; ``dW_r = X_r^T dY_r`` by
+    ``segment_weight_grad``: DGL's own weight gradient loops over rows (measured 20x slower than
+    its forward), and has no CPU kernel in some builds."""
 
     @staticmethod
     def forward(ctx, x, w, seglen):
@@ -146,32 +147,17 @@ class _SegmentGemm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = segment_gemm(dy, w.transpose(1, 2).contiguous(), seglen)
         if ctx.needs_input_grad[1]:
-            r, k_in, k_out = w.shape
-            m = _weight_grad_move(seglen, k_in)
-            dw = move(m, dy, x.t().contiguous().reshape(-1, 1)).reshape(r, k_in, k_out)
+            dw = segment_weight_grad(x, dy, seglen)
         return dx, dw, None
 
 
-_DW_MOVES = {}
-
-
-def _weight_grad_move(seglen, k_in):
-    """``M`` with ``M[(r, a), i] = X[i, a]`` for row ``i`` of segment ``r``: ``M dY`` stacks
-    ``X_r^T dY_r`` for every relation (values: ``X^T`` flattened, read by index ``a n + i``, so
-    each row of ``M`` reads its values in order)."""
-    key = (tuple(seglen.tolist()), k_in)
-    m = _DW_MOVES.get(key)
-    if m is None:
-        if len(_DW_MOVES) > 16:
-            _DW_MOVES.clear()
-        n = int(seglen.sum())
-        rel = torch.repeat_interleave(torch.arange(seglen.numel()), seglen)
-        a = torch.arange(k_in)
-        row = (rel.reshape(-1, 1) * k_in + a).reshape(-1)
-        col = torch.arange(n).repeat_interleave(k_in)
-        vid = (a.reshape(1, -1) * n + torch.arange(n).reshape(-1, 1)).reshape(-1)
-        m = _DW_MOVES[key] = Move(row, col, seglen.numel() * k_in, n, vid)
-    return m
+def segment_weight_grad(x, dy, seglen):
+    """``dW_r = X_r^T dY_r`` for every segment ``r`` of rows, ``(R, k_in, k_out)``: one GEMM per
+    relation on views of ``X`` and ``dY`` (inside one call, as DGL's forward loops over
+    relations). It keeps no index: stacking the products as one sparse move needed
+    ``rows x k_in`` index entries (several GB on AM-sized graphs), and was slower."""
+    sizes = seglen.tolist()
+    return torch.stack([a.t() @ b for a, b in zip(x.split(sizes), dy.split(sizes))])
 
 
 def rowwise_bdd(x, w, rel, blocks):

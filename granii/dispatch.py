@@ -100,6 +100,7 @@ class LayerState:
     last_failure: Exception = None                   # the variant that failed on this call
     params: tuple = None                             # (names, defaults, all plain) of forward
     fast: object = field(default_factory=weakref.WeakKeyDictionary)  # GraphInfo -> {guard: FastEntry}
+    hot: tuple = None                                # (graph, GraphInfo) by weak reference, table
 
 
 def new_state(layer, name=None):
@@ -308,7 +309,7 @@ class FastEntry:
     features are among the arguments, and a ``FastRun`` per ``(training, input repeats)``, the
     part of a decision's mode the guard does not fix."""
     compiled: object
-    feat: object                                     # (args, kwargs) -> the features
+    feat: object                                     # the features' position, or a reader
     runs: dict = field(default_factory=dict)
 
 
@@ -390,15 +391,12 @@ def _store_of(obj, name):
 
 def _fast_hit(state, options, layer, guard, args, kwargs):
     """``(gi, run, plan arguments)`` when this call's fast run holds, else ``None``."""
-    gi = known_info(args[0])
-    if gi is None:
-        return None
-    table = state.fast.get(gi)
+    gi, table = _fast_table(state, args[0])
     entry = table.get(guard) if table else None
     if entry is None:
         return None
     training = guard[_GRAD] and _any_requires_grad(layer)
-    feat = entry.feat(args, kwargs)
+    feat = args[entry.feat] if type(entry.feat) is int else entry.feat(args, kwargs)
     ident = input_identity(feat) if options.reuse_inputs else None
     run = entry.runs.get((training, _repeats(state, feat, ident)))
     if run is None:
@@ -411,6 +409,22 @@ def _fast_hit(state, options, layer, guard, args, kwargs):
         return None
     state.last_input = None if ident is None else (weakref.ref(feat), ident)
     return gi, run, vals
+
+
+def _fast_table(state, g):
+    """``(gi, {guard: FastEntry})`` of graph ``g`` for this layer, or ``(None, None)``. The last
+    graph's are kept at hand (``state.hot``, weakly: they die with the graph) while its
+    structure is the same."""
+    hot = state.hot
+    if hot is not None and hot[0]() is g:
+        gi = hot[1]()
+        if gi is not None and gi.index is getattr(g, "_graph", None):
+            return gi, hot[2]
+    gi = known_info(g)
+    table = None if gi is None else state.fast.get(gi)
+    if table is not None:
+        state.hot = (weakref.ref(g), weakref.ref(gi), table)
+    return gi, table
 
 
 def _fast_run(state, options, layer, hit, args, kwargs):
@@ -565,10 +579,11 @@ def _places(names, defaults, n_args, kwargs):
 
 
 def _arg_reader(name, place):
-    """A function of ``(args, kwargs)`` reading the forward() argument ``name``."""
+    """Where the forward() argument ``name`` is: its position among the arguments, or a
+    function of ``(args, kwargs)`` reading it."""
     where, at = place[name]
     if where == "pos":
-        return lambda a, k: a[at]
+        return at
     if where == "kw":
         return lambda a, k: k[at]
     return lambda a, k: at

@@ -1,7 +1,8 @@
 """RGCN layer benchmark: DGL's RelGraphConv (presorted=False and True) against granii, and
 granii's choice against every composition it can run (an oracle).
 
-    python -m bench.hetero [--quick] [--am] [--out results/hetero]
+    python -m bench.hetero [--quick] [--am] [--one-way] [--budget S] [--threads N]
+                           [--out results/hetero]
 
 Graphs are *generated with the published statistics* of the RGCN benchmarks
 (``granii.hetero_graphs``: AIFB, MUTAG, BGS; AM with ``--am``), each relation with its inverse
@@ -15,6 +16,12 @@ a step: gradients to the embeddings and weights). ``first`` is granii's first ca
 graph (index built, machine rates measured once, decision) beside DGL's first call. Two torch
 threads, warm-up calls, interleaved rounds (each round times every contender once), medians.
 Regret = granii's median / the fastest contender measured (every composition and DGL).
+
+BGS and AM run at k = 16 only, 3 rounds. On AM-sized graphs (1.7 M nodes, 12.8 M edges, 266
+relations) only the compositions that fit the machine run (``hetero.not_runnable``: at 24 GiB,
+W per (src, rel) or (dst, rel) pair; every node under every relation would take 26 GiB, the
+bases-first ones 8-12 GiB), and DGL's training step takes minutes: ``--budget 5`` times every
+contender slower than 5 s by its warm-up call alone, which bounds the run.
 """
 import argparse
 import copy

@@ -247,6 +247,8 @@ def _run(state, dkey, label, fn, order, call, layer, args, kwargs):
 _GRAD = 0                # where ``torch.is_grad_enabled()`` is in a call guard
 _PLAIN = (type(None), bool, int, float, str)
 _FAST_ENTRIES = 32       # fast entries kept per (layer, graph): guards beyond that are rare
+_FAST_BUILDS = 16        # runs made per entry: an attribute re-assigned on every call (or a run
+                         # that cannot be made) leaves the calls to the normal path, unpaid for
 
 
 def call_guard(layer, args, kwargs):
@@ -311,6 +313,7 @@ class FastEntry:
     compiled: object
     feat: object                                     # the features' position, or a reader
     runs: dict = field(default_factory=dict)
+    builds: int = 0                                  # runs made (``_FAST_BUILDS`` at most)
 
 
 class _BindWriter:
@@ -454,8 +457,14 @@ def _remember(state, layer, guard, call, decision, args, kwargs):
         if len(table) >= _FAST_ENTRIES:
             table.clear()
         place = _places(names, defaults, len(args), kwargs)
-        entry = table[guard] = FastEntry(call.compiled, _arg_reader(names[1], place))
+        builds = entry.builds if entry is not None else 0
+        entry = table[guard] = FastEntry(call.compiled, _arg_reader(names[1], place),
+                                         builds=builds)
     mode = (call.training, call.input_repeats)
+    if entry.builds >= _FAST_BUILDS:
+        entry.runs.pop(mode, None)
+        return
+    entry.builds += 1
     try:
         run = _fast_run_of(state, layer, call, decision, len(args), kwargs)
     except Exception:            # noqa: BLE001 - an attribute gone since the call: no run

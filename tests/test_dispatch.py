@@ -516,3 +516,19 @@ def test_a_check_on_the_features_runs_on_every_fast_call(monkeypatch):
         with pytest.raises(ValueError, match="below -100"):
             layer(g, bad)
         torch.testing.assert_close(layer(g, x.clone()), ref(g, x))
+
+
+def test_an_attribute_re_assigned_on_every_call_stops_making_fast_runs():
+    """An equal but new object each call fails the identity check each time: after a bounded
+    number of rebuilt fast runs the calls stay on the normal path, with DGL's outputs."""
+    from granii.dispatch import _FAST_BUILDS
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 8)
+    layer, ref = _optimized_pair(_gcn, g, x)
+    suffix = "th"
+    with torch.no_grad():
+        for _ in range(2 * _FAST_BUILDS):
+            layer._norm = "bo" + suffix               # a new str object, equal to "both"
+            torch.testing.assert_close(layer(g, x.clone()), ref(g, x))
+    (table,) = layer_states(layer)[0].fast.values()
+    assert [e.builds for e in table.values()] == [_FAST_BUILDS]

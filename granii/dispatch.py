@@ -296,9 +296,11 @@ class FastRun:
     optimizer, ``load_state_dict`` or an assignment changed them) and returns ``None`` when an
     assumption of the decision no longer holds: a configuration attribute the compiled variant
     assumed is not the object it was when the run was made (re-assigned, even to an equal
-    value: the normal path then checks it and makes a new run), or a parameter, an attention
+    value: the normal path then checks it and makes a new run), a parameter, an attention
     vector or an edge value the normal path would bind has another shape (the decision was made
-    for those sizes)."""
+    for those sizes), or a condition the variant branched on that reads more than the graph has
+    another value; a check of the layer's own that reads more than the graph runs too, and
+    raises as in the normal path."""
     label: str
     fn: object
     bind: object

@@ -12,8 +12,8 @@
 
 The fast path: once a verified decision has run the normal way for a call on a graph (from the
 second call on that graph), the dispatcher keeps a ``FastRun`` for it, under the call's guard
-(``call_guard``: grad and inference mode, threads, deterministic algorithms, the layer's training
-flag, each argument's type, shape, dtype, device and ``requires_grad``) and the mode the guard
+(``call_guard``: grad mode, threads, deterministic algorithms, the layer's training flag, each
+argument's type, shape, dtype, device (CPU or not) and ``requires_grad``) and the mode the guard
 does not fix (training, features repeated). A later call with that guard on that graph checks
 with one generated function (``_BindWriter``) that each configuration attribute the variant
 assumed is the same object, that each parameter has its shape, and runs the checks that read
@@ -254,17 +254,23 @@ _FAST_BUILDS = 16        # runs made per entry: an attribute re-assigned on ever
 def call_guard(layer, args, kwargs):
     """What a call's fast path is keyed by, or ``None`` when the call cannot have one.
 
-    ``(grad mode, inference mode, threads, deterministic algorithms, layer.training, number of
-    positional arguments, the guard of each argument after the graph, then each keyword with its
-    guard)``. A tensor's guard is its type, shape, dtype, device and ``requires_grad``; a plain
-    value's (``None``, bool, int, float, str) its type and ``repr`` (what the normal path keys a
-    call signature by); other values have none. The graph is not in it: fast entries are kept per
-    ``GraphInfo``, which is new for a new graph and for a graph edited in place."""
+    ``(grad mode, threads, deterministic algorithms, layer.training, number of positional
+    arguments, the guard of each argument after the graph, then each keyword with its guard)``.
+    A tensor's guard is its type, shape, dtype, whether it is on the CPU (only CPU tensors are
+    optimized: the normal path runs any other) and ``requires_grad``; a plain value's (``None``,
+    bool, int, float, str) its type and ``repr`` (what the normal path keys a call signature
+    by); other values have none. The graph is not in it: fast entries are kept per
+    ``GraphInfo``, which is new for a new graph and for a graph edited in place. (Inference
+    mode needs no place: it turns gradients off, and what else depends on it, the plans and
+    their caches check at run time.)"""
     if not args:
         return None
-    parts = [torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-             torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
-             layer.training, len(args)]
+    mode = (torch.is_grad_enabled(), torch.get_num_threads(),
+            torch.are_deterministic_algorithms_enabled(), layer.training, len(args))
+    if len(args) == 2 and not kwargs:
+        g = _value_guard(args[1])
+        return None if g is None else mode + (g,)
+    parts = list(mode)
     for a in args[1:]:
         g = _value_guard(a)
         if g is None:
@@ -280,7 +286,7 @@ def call_guard(layer, args, kwargs):
 
 def _value_guard(v):
     if isinstance(v, torch.Tensor):
-        return (type(v), v.shape, v.dtype, v.device, v.requires_grad)
+        return (type(v), v.shape, v.dtype, v.is_cpu, v.requires_grad)
     if type(v) in _PLAIN:
         return (type(v), repr(v))
     return None

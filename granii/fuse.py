@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import torch
 
+from .frontend.udf import leaky_relu_slope
 from .plan import EVERY, Step
 
 _RELUS = (torch.relu, torch.nn.functional.relu)
@@ -227,8 +228,8 @@ def fuse_gat(plan):
         step = by_var.get(step.args[0])
         if step is None or step.prim != "apply" or not single(step.var):
             continue
-        ref = plan.applies.get(step.var, ())
-        if ref[:1] != ("module",) or not step.key.startswith(f"{ref[1]}:LeakyReLU("):
+        slope = _leaky_relu_slope(plan.applies.get(step.var, ()), step)
+        if slope is None:
             continue
         chain.append(step)
         score = by_var.get(step.args[0])
@@ -238,8 +239,6 @@ def fuse_gat(plan):
         if any(c.when != EVERY for c in chain) or st.when != EVERY:
             continue
         el, er = score.args
-        slope = f"module.{ref[1]}.negative_slope" if ref[1].isidentifier() else \
-            f"module.get_submodule({ref[1]!r}).negative_slope"
         replaced = {}
         if drop is not None:
             mask = [Step(drop.var, "edge_mask", (el,), EVERY, drop.key)]
@@ -254,6 +253,18 @@ def fuse_gat(plan):
         steps = [r for s in plan.steps if s.var not in gone for r in replaced.get(s.var, [s])]
         return _rebuild(plan, steps, "g")
     return None
+
+
+def _leaky_relu_slope(ref, step):
+    """The code that reads the negative slope of the leaky ReLU applied by ``step``: the
+    module's attribute (GATConv's ``nn.LeakyReLU``), or the constant of ``F.leaky_relu`` written
+    in a message function; ``None`` when ``step`` applies anything else."""
+    if ref[:1] == ("module",) and step.key.startswith(f"{ref[1]}:LeakyReLU("):
+        if ref[1].isidentifier():
+            return f"module.{ref[1]}.negative_slope"
+        return f"module.get_submodule({ref[1]!r}).negative_slope"
+    slope = leaky_relu_slope(ref)
+    return None if slope is None else repr(slope)
 
 
 def _is_dropout(plan, step):

@@ -765,3 +765,16 @@ def test_per_feature_product_with_a_parameter_runs_as_written():
     granii(layer, g, x)
     torch.testing.assert_close(layer(g, x), ref(g, x))
     assert "operator Add on features * self.gamma" in layer_states(layer)[0].fallback
+
+
+@pytest.mark.parametrize("scores", ["positional", "helper"])
+def test_udf_gat_with_functional_leaky_relu_gets_the_fused_attention(scores):
+    """``F.leaky_relu(..., 0.2)`` in a message function: the fused attention runs the constant
+    slope, and every plan (fused ones included) gives DGL's outputs and gradients."""
+    g = GRAPHS["undirected"]()
+    x = features(g, 6).requires_grad_()
+    torch.manual_seed(0)
+    m = AttentionSpelling("indexed", scores)
+    plans = prepare(new_state(m), m, (g, x), {}).compiled.plans
+    assert any(p.composition().endswith("gat_aggregate") for p in plans)
+    assert check_all_plans(m, (g, x), {}, [x] + list(m.parameters())) >= 1

@@ -178,10 +178,10 @@ def _write_md(rows, args, command, stem, load_before, load_after):
     lines = ["# Dispatcher overhead per call", "",
              f"Command: `{command}`; {args.threads} torch thread(s), "
              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, CPUs {cpus}; "
-             f"{mode}; {args.clock} clock. 1-minute load average: {load_before:.2f} before, {load_after:.2f} after "
-             f"the run, on {os.cpu_count()} CPUs. Features new at each call. Per call: median of "
-             f"{ROUNDS} rounds of {CALLS} paired calls (dispatcher, plan run directly); overhead: "
-             "median of the rounds' median paired differences.",
+             f"{mode}; {args.clock} clock. 1-minute load average: {load_before:.2f} before, "
+             f"{load_after:.2f} after the run, on {os.cpu_count()} CPUs. Features new at each "
+             f"call. Per call: median of {ROUNDS} rounds of {CALLS} paired calls (dispatcher, "
+             "plan run directly); overhead: median of the rounds' median paired differences.",
              "", "| graph | layer | k_in→k_out | plan | dispatcher µs | plan direct µs | "
              "overhead µs | DGL layer µs | overhead / DGL |",
              "|---|---|---|---|---:|---:|---:|---:|---:|"]
@@ -192,8 +192,12 @@ def _write_md(rows, args, command, stem, load_before, load_after):
     ov = sorted(r["overhead_us"] for r in rows)
     lines += ["", f"Overhead: median {statistics.median(ov):.1f} µs, max {ov[-1]:.1f} µs per layer "
               "call (target: at most 30 µs)."]
+    for gname in dict.fromkeys(r["graph"] for r in rows):
+        mine = sorted(r["overhead_us"] for r in rows if r["graph"] == gname)
+        lines.append(f"On {gname}: median {statistics.median(mine):.1f} µs, "
+                     f"from {mine[0]:.1f} to {mine[-1]:.1f} µs.")
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-1:]))
+    print("\n".join(line for line in lines if line.startswith(("Overhead", "On "))))
 
 
 if __name__ == "__main__":

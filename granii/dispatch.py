@@ -99,7 +99,7 @@ class LayerState:
     chosen: dict = field(default_factory=dict)       # decision_key -> the plan kept (saved)
     last_failure: Exception = None                   # the variant that failed on this call
     params: tuple = None                             # (names, defaults, all plain) of forward
-    fast: object = field(default_factory=weakref.WeakKeyDictionary)  # GraphInfo -> {guard: FastEntry}
+    fast: object = field(default_factory=weakref.WeakKeyDictionary)  # gi -> {guard: entry}
     hot: tuple = None                                # (graph, GraphInfo) by weak reference, table
 
 

@@ -200,6 +200,8 @@ def _dispatch(state, options, layer, args, kwargs, guard):
         decision = per_graph[dkey] = decide(state, options, call)
         if skey is not None:
             state.sampled[skey] = decision
+            if isinstance(decision, Trial):
+                decision.homes.append((state.sampled, skey))
     REUSE["inputs"] = options.reuse_inputs
     if isinstance(decision, Trial):
         return _trial_call(state, per_graph, dkey, decision, call, layer, args, kwargs)
@@ -705,7 +707,11 @@ def within_memory(ranking, symbols, limit):
 
 
 def _tuning(options, call):
-    return (options.tune and not call.gi.is_block and options.expected_calls > 1
+    """A measured tie-break is worth its calls: many calls follow (on sampled blocks, the later
+    blocks of the same sampler configuration, unless each block decides on its own)."""
+    if call.gi.is_block and options.per_batch:
+        return False
+    return (options.tune and options.expected_calls > 1
             and not torch.are_deterministic_algorithms_enabled())
 
 
@@ -716,10 +722,17 @@ class Trial:
     the first calls of a decision (each call returns the same result); after one untimed and
     ``TRIAL_ROUNDS`` timed calls each, the one with the fastest median forward time is kept.
     So a wrong prediction costs at most those calls, and granii is never kept slower than DGL's
-    own layer as measured."""
+    own layer as measured.
+
+    On sampled blocks the candidates take turns on successive blocks of one sampler
+    configuration, whose sizes differ: each time is divided by the block's size
+    ``E + N_src + N_dst`` (``block_scale``), so the medians compare time per unit of work; the
+    kept decision then serves the later blocks (``homes``: where it is stored besides the block's
+    own table)."""
     candidates: list
     times: dict = field(default_factory=dict)
     turn: int = 0
+    homes: list = field(default_factory=list)     # [(dict, key)] that get the kept decision
 
     def next(self):
         c = self.candidates[self.turn % len(self.candidates)]
@@ -750,16 +763,27 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
     label, fn, order = trial.next()[:3]
     t0 = time.perf_counter()
     out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
-    trial.record(label, time.perf_counter() - t0)
+    trial.record(label, (time.perf_counter() - t0) / block_scale(call))
     if dkey in state.failed:                  # a candidate raised: the others go on
         del state.failed[dkey]
         trial.candidates = [c for c in trial.candidates if c[0] != label]
         trial.times.pop(label, None)
     if trial.settled() or len(trial.candidates) == 1:
         per_graph[dkey] = trial.winner() if trial.times else trial.candidates[0]
-        state.tuned = (trial.report(), per_graph[dkey][0])
+        for home, key in trial.homes:
+            home[key] = per_graph[dkey]
+        scale = block_scale(call)        # times per unit of block size back to this call's
+        state.tuned = ([(lb, t * scale) for lb, t in trial.report()], per_graph[dkey][0])
         state.chosen[decision_key(call)] = _describe(per_graph[dkey], call)
     return out
+
+
+def block_scale(call):
+    """The size a trial time on a sampled block is divided by (1 on whole graphs)."""
+    if not call.gi.is_block:
+        return 1.0
+    s = call.symbols
+    return float(max(s.get("E", 0) + s.get("N_src", 0) + s.get("N_dst", 0), 1))
 
 
 class _UserError(ValueError):

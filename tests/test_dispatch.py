@@ -532,3 +532,55 @@ def test_an_attribute_re_assigned_on_every_call_stops_making_fast_runs():
             torch.testing.assert_close(layer(g, x.clone()), ref(g, x))
     (table,) = layer_states(layer)[0].fast.values()
     assert [e.builds for e in table.values()] == [_FAST_BUILDS]
+
+
+def _blocks(n_batches, seed=0):
+    """Two-layer blocks of ``n_batches`` batches of one neighbour sampler on one graph."""
+    dgl.seed(seed)
+    g = dgl.add_self_loop(dgl.rand_graph(400, 3000))
+    sampler = dgl.dataloading.NeighborSampler([5, 5])
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_batches):
+        seeds = torch.randperm(g.num_nodes(), generator=gen)[:48]
+        inp, _, blocks = sampler.sample_blocks(g, seeds)
+        out.append((inp, blocks))
+    return g, out
+
+
+class BlockModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = SAGEConv(12, 16, "mean", activation=torch.relu)
+        self.b = GraphConv(16, 5, allow_zero_in_degree=True)
+
+    def forward(self, blocks, x):
+        return self.b(blocks[1], self.a(blocks[0], x))
+
+
+def test_trial_on_sampled_blocks_settles_and_keeps_dgls_results():
+    """On blocks used once, the candidates take turns on successive blocks of the sampler
+    configuration (each time divided by the block's size); every block's outputs and gradients
+    are DGL's, and once settled the kept decision serves the later blocks."""
+    g, batches = _blocks(6 * (TRIAL_ROUNDS + 1) + 2)
+    x_all = torch.randn(g.num_nodes(), 12)
+    torch.manual_seed(0)
+    ref = BlockModel()
+    model = copy.deepcopy(ref)
+    inp0, blocks0 = batches[0]
+    granii(model, blocks0, x_all[inp0], cost_model=AnalyticalCost())
+    for inp, blocks in batches:
+        x = x_all[inp]
+        out, want = model(blocks, x), ref(blocks, x)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+            p.grad, q.grad = None, None
+    for st in layer_states(model):
+        assert st.tuned is not None, st.name
+        times, kept = st.tuned
+        assert any(label == "original forward" for label, _ in times)
+        assert any(not hasattr(d, "candidates") for d in st.sampled.values())  # a kept one
+        assert st.reused > 0

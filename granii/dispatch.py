@@ -720,7 +720,9 @@ class Trial:
     """A measured tie-break (like cuDNN's benchmark mode): the best predicted plan, the next one
     when predicted within ``TRIAL_MARGIN`` of it, and the layer's original forward take turns on
     the first calls of a decision (each call returns the same result); after one untimed and
-    ``TRIAL_ROUNDS`` timed calls each, the one with the fastest median forward time is kept.
+    ``TRIAL_ROUNDS`` timed calls each, the one with the fastest median time is kept: the forward,
+    and in training the forward and the layer's backward (``BackwardClock``), recorded when the
+    next call comes.
     So a wrong prediction costs at most those calls, and granii is never kept slower than DGL's
     own layer as measured.
 
@@ -733,6 +735,7 @@ class Trial:
     times: dict = field(default_factory=dict)
     turn: int = 0
     homes: list = field(default_factory=list)     # [(dict, key)] that get the kept decision
+    pending: list = field(default_factory=list)   # [(label, forward seconds, BackwardClock)]
 
     def next(self):
         c = self.candidates[self.turn % len(self.candidates)]
@@ -741,6 +744,14 @@ class Trial:
 
     def record(self, label, seconds):
         self.times.setdefault(label, []).append(seconds)
+
+    def collect(self):
+        """Record the calls whose backward was awaited: forward + backward seconds (the
+        forward alone when no backward ran)."""
+        for label, forward, clock in self.pending:
+            clock.remove()
+            self.record(label, forward + (clock.seconds() or 0.0))
+        self.pending.clear()
 
     def settled(self):
         return all(len(self.times.get(c[0], ())) > TRIAL_ROUNDS for c in self.candidates)
@@ -760,10 +771,17 @@ class Trial:
 
 
 def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
+    trial.collect()
     label, fn, order = trial.next()[:3]
+    scale = block_scale(call)
     t0 = time.perf_counter()
     out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
-    trial.record(label, (time.perf_counter() - t0) / block_scale(call))
+    seconds = (time.perf_counter() - t0) / scale
+    clock = BackwardClock.of(out, layer, args, scale)
+    if clock is None:
+        trial.record(label, seconds)
+    else:                       # in training the backward counts too: recorded on the next call
+        trial.pending.append((label, seconds, clock))
     if dkey in state.failed:                  # a candidate raised: the others go on
         del state.failed[dkey]
         trial.candidates = [c for c in trial.candidates if c[0] != label]
@@ -772,10 +790,46 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
         per_graph[dkey] = trial.winner() if trial.times else trial.candidates[0]
         for home, key in trial.homes:
             home[key] = per_graph[dkey]
-        scale = block_scale(call)        # times per unit of block size back to this call's
         state.tuned = ([(lb, t * scale) for lb, t in trial.report()], per_graph[dkey][0])
         state.chosen[decision_key(call)] = _describe(per_graph[dkey], call)
     return out
+
+
+class BackwardClock:
+    """The seconds of one layer call's backward: from its output's gradient to the last
+    gradient of its inputs and parameters, read by tensor hooks that are removed once read
+    (sequential models run a layer's backward in one stretch). Divided by ``scale``."""
+
+    def __init__(self, out, tensors, scale):
+        self.start = self.end = None
+        self.scale = scale
+        self.handles = [out.register_hook(self._start)]
+        self.handles += [t.register_hook(self._stop) for t in tensors]
+
+    @classmethod
+    def of(cls, out, layer, args, scale):
+        """A clock for ``out`` when a backward through it can follow, else ``None``."""
+        if not (isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled()):
+            return None
+        tensors = [p for p in layer.parameters() if p.requires_grad]
+        tensors += [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        return cls(out, tensors, scale) if tensors else None
+
+    def _start(self, grad):
+        self.start = time.perf_counter()
+
+    def _stop(self, grad):
+        self.end = time.perf_counter()
+
+    def seconds(self):
+        if self.start is None or self.end is None or self.end < self.start:
+            return None
+        return (self.end - self.start) / self.scale
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 def block_scale(call):

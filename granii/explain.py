@@ -83,7 +83,7 @@ def _explain_layer(st, out):
         p(f"  [{c.plan.index}]  {_fmt_ms(c.cost)}  {mem:>26}  {c.plan.composition()}{mark}")
     if getattr(st, "tuned", None):
         times, kept = st.tuned
-        p("  measured on the first calls (median forward): " + ", ".join(
+        p("  measured on the first calls (median forward, + backward in training): " + ", ".join(
             f"{label} {_fmt_ms(t).strip()}" for label, t in times) + f"; kept {kept}")
     p("  chosen plan, step by step:")
     for step, impl, t in best.step_costs:

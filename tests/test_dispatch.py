@@ -584,3 +584,22 @@ def test_trial_on_sampled_blocks_settles_and_keeps_dgls_results():
         assert any(label == "original forward" for label, _ in times)
         assert any(not hasattr(d, "candidates") for d in st.sampled.values())  # a kept one
         assert st.reused > 0
+
+
+def test_backward_clock_times_a_layers_backward_and_lets_go():
+    """In training a trial call is timed forward + backward: the clock starts when the output's
+    gradient arrives and stops at the last gradient of the layer's inputs and parameters."""
+    from granii.dispatch import BackwardClock
+    layer = nn.Linear(8, 4)
+    x = torch.randn(16, 8, requires_grad=True)
+    out = layer(x)
+    clock = BackwardClock.of(out, layer, (x,), 1.0)
+    assert clock.seconds() is None                 # no backward yet
+    out.square().sum().backward()
+    assert clock.seconds() is not None and clock.seconds() >= 0
+    clock.remove()
+    assert not clock.handles
+    with torch.no_grad():
+        assert BackwardClock.of(layer(x), layer, (x,), 1.0) is None
+    frozen = nn.Linear(8, 4).requires_grad_(False)
+    assert BackwardClock.of(frozen(x.detach()), frozen, (x.detach(),), 1.0) is None

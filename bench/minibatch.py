@@ -3,8 +3,9 @@
 As DGL's sampling examples train: ``dgl.dataloading.NeighborSampler(fanouts)`` and
 ``dgl.dataloading.DataLoader`` over the training seeds (``BATCH`` per batch, shuffled); for each
 batch the blocks are used once: forward on the input nodes' features, cross-entropy on the seeds,
-backward, Adam step. Nothing is reused between batches except granii's decision (made on the
-first block of a sampler configuration and reused for the later ones, see README).
+backward, Adam step. Nothing is reused between batches except granii's decision (ranked on the
+first block of a sampler configuration, settled by the measured tie-break on the next blocks and
+kept for the later ones, see README).
 
 Each candidate (``dgl``, ``granii``, ``restricted``; see ``fullbatch``) has its own loader over
 its own copy of the graph. One epoch of one candidate is one timed measurement, the sampling

@@ -370,8 +370,9 @@ HOW = """\
 * Mini-batch training: `dgl.dataloading.NeighborSampler` + `DataLoader` (batch 1024, shuffled, 4,096
   seed nodes per epoch), the blocks of each batch used once; one epoch per round, sampling
   included (`without sampling` subtracts the time spent in the loader); the first epoch of each
-  candidate is timed apart. granii decides on the first block and reuses that decision for later
-  blocks of the same sampler configuration.
+  candidate is timed apart. granii ranks the plans on the first block; the best predicted ones and
+  DGL's forward then take turns on the next blocks of the same sampler configuration (forward and
+  backward timed, divided by each block's size) and the fastest serves the later blocks.
 * Single layers: one layer in inference at `(k_in, k_out)` from {32, 128, 512}; `new features`
   as above, `same features again` passes one tensor every call (granii may keep work on it; for
   SGConv DGL's column is `SGConv(cached=True)` with the same weights). 100 calls, first call

@@ -694,8 +694,11 @@ def _decide(state, options, call):
             seen.add(what)
             f, _ = compile_plan(c.plan, c.impls)
             cands.append((f"[{c.plan.index}]", f, leaf_vals_order(c.plan), c.impls))
-    cands.append((ORIGINAL, None, None))
-    return Trial(cands)
+    # DGL runs Python message and reduce functions once per degree bucket: timing that forward
+    # would cost several calls at many times a plan's time, and it never wins
+    if not getattr(call.compiled.layer_ir, "udfs", ()):
+        cands.append((ORIGINAL, None, None))
+    return Trial(cands) if len(cands) > 1 else chosen
 
 
 def within_memory(ranking, symbols, limit):

@@ -627,6 +627,7 @@ def _any_requires_grad(module):
 ORIGINAL = "original forward"
 TRIAL_MARGIN = 1.3       # plans predicted within this factor of the best are timed too
 TRIAL_ROUNDS = 3         # timed calls per candidate, after one untimed call each
+ORIGINAL_MARGIN = 0.05   # a plan is kept over the layer's own forward when this much faster
 
 
 def decision_key(call):
@@ -764,9 +765,19 @@ class Trial:
                 for label, ts in self.times.items() if ts}
 
     def winner(self):
+        """The fastest median; but a plan replaces the layer's own forward only when it beat it
+        by ``ORIGINAL_MARGIN``: a few timed calls of a large layer carry several percent of
+        noise (and the original's first calls build DGL's formats), and a plan kept by noise
+        would be slower than DGL on every later call."""
         med = self.medians()
         timed = [c for c in self.candidates if c[0] in med]
-        return min(timed, key=lambda c: med[c[0]]) if timed else self.candidates[0]
+        if not timed:
+            return self.candidates[0]
+        best = min(timed, key=lambda c: med[c[0]])
+        original = next((c for c in timed if c[0] == ORIGINAL), None)
+        if original is not None and med[best[0]] > (1 - ORIGINAL_MARGIN) * med[ORIGINAL]:
+            return original
+        return best
 
     def report(self):
         med = self.medians()

@@ -603,3 +603,20 @@ def test_backward_clock_times_a_layers_backward_and_lets_go():
         assert BackwardClock.of(layer(x), layer, (x,), 1.0) is None
     frozen = nn.Linear(8, 4).requires_grad_(False)
     assert BackwardClock.of(frozen(x.detach()), frozen, (x.detach(),), 1.0) is None
+
+
+def test_a_plan_replaces_the_original_forward_only_when_clearly_faster():
+    """The tie-break keeps the layer's own forward unless a plan's median beat it by
+    ``ORIGINAL_MARGIN``; between plans the fastest median wins."""
+    from granii.dispatch import ORIGINAL, ORIGINAL_MARGIN, Trial
+
+    def trial(plan_a, plan_b, original):
+        t = Trial([("[a]", None, None), ("[b]", None, None), (ORIGINAL, None, None)])
+        for label, s in (("[a]", plan_a), ("[b]", plan_b), (ORIGINAL, original)):
+            for _ in range(TRIAL_ROUNDS + 1):
+                t.record(label, s)
+        return t.winner()[0]
+    close = 1.0 - ORIGINAL_MARGIN / 2
+    assert trial(close, 1.2, 1.0) == ORIGINAL           # within the margin: DGL's forward stays
+    assert trial(0.8, 0.7, 1.0) == "[b]"                 # clearly faster: the fastest plan
+    assert trial(1.3, 1.2, 1.0) == ORIGINAL

@@ -44,7 +44,7 @@ from .graph import graph_info, known_info
 from .memory import plan_memory
 from .plan import COMPUTED, REUSE, compile_plan, fuse_gemm_add, lower, tree_calls
 from .prune import prune
-from .select import EXPECTED_CALLS, rank
+from .select import EXPECTED_CALLS, TRIAL_MARGIN, rank, trial_candidates
 
 
 @dataclass
@@ -625,7 +625,6 @@ def _any_requires_grad(module):
 
 # -- deciding ----------------------------------------------------------------------------------------
 ORIGINAL = "original forward"
-TRIAL_MARGIN = 1.3       # plans predicted within this factor of the best are timed too
 TRIAL_ROUNDS = 3         # timed calls per candidate, after one untimed call each
 ORIGINAL_MARGIN = 0.05   # a plan is kept over the layer's own forward when this much faster
 
@@ -686,15 +685,10 @@ def _decide(state, options, call):
     chosen = (f"[{best.plan.index}]", fn, leaf_vals_order(best.plan), best.impls)
     if not _tuning(options, call):
         return chosen
-    cands, seen = [chosen], {(best.plan.composition(), best.impls)}
-    for c in ranking[1:]:
-        what = (c.plan.composition(), c.impls)
-        if c.cost > TRIAL_MARGIN * best.cost or len(cands) > 1:
-            break
-        if what not in seen:
-            seen.add(what)
-            f, _ = compile_plan(c.plan, c.impls)
-            cands.append((f"[{c.plan.index}]", f, leaf_vals_order(c.plan), c.impls))
+    cands = [chosen]
+    for c in trial_candidates(ranking)[1:]:
+        f, _ = compile_plan(c.plan, c.impls)
+        cands.append((f"[{c.plan.index}]", f, leaf_vals_order(c.plan), c.impls))
     # DGL runs Python message and reduce functions once per degree bucket: timing that forward
     # would cost several calls at many times a plan's time, and it never wins
     if not getattr(call.compiled.layer_ir, "udfs", ()):

@@ -363,21 +363,12 @@ def rates(k_in=64, k_out=64):
     row = torch.arange(4 * n) // 4
     m = typed.Move(row, col, n, n)
 
-    def best(f, reps=5):
-        f()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - t0)
-        return min(ts)
-
     tiny = torch.randn(4, 4)
-    call = best(lambda: tiny @ tiny, 20)
-    r = {"gemm": best(lambda: x @ w[0]) / (n * a * b),
-         "seg": best(lambda: typed.segment_gemm(x, w, seg)) / (n * a * b),
-         "sparse": best(lambda: typed.move(m, x)) / (4 * n * a),
-         "stream": best(lambda: x * 2.0) / (n * a),
+    call = _fastest(lambda: tiny @ tiny, 20)
+    r = {"gemm": _fastest(lambda: x @ w[0]) / (n * a * b),
+         "seg": _fastest(lambda: typed.segment_gemm(x, w, seg)) / (n * a * b),
+         "sparse": _fastest(lambda: typed.move(m, x)) / (4 * n * a),
+         "stream": _fastest(lambda: x * 2.0) / (n * a),
          "calls": call * 5}
     r["bdd"] = r["seg"] * 4
     _RATES[key] = r
@@ -706,14 +697,19 @@ def training_times(cands, idx, lin, feat, norm, reps=TRAINING_TRIAL_REPS):
             y = run_plan(plan, idx, lin, feat, norm)
             if y.requires_grad:
                 torch.autograd.grad(y, wrt, torch.ones_like(y), allow_unused=True)
-        step()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            step()
-            ts.append(time.perf_counter() - t0)
-        out.append((label, min(ts)))
+        out.append((label, _fastest(step, reps)))
     return out
+
+
+def _fastest(f, reps=5):
+    """Seconds of the fastest of ``reps`` timed calls of ``f``, after one untimed call."""
+    f()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
 
 
 def _rel_decide(state, options, idx, lin, mode, is_block, feat=None, norm=None):

@@ -565,8 +565,8 @@ def diag_mul_torch(a, b):
 
 RUNTIME = {"torch": torch, "degree_power": degree_power, "once_per_graph": once_per_graph,
            "once_per_input": once_per_input, "diag_mul_torch": diag_mul_torch, "store": store,
-           "scalar": scalar, "is_one": is_one, "head_diag": head_diag, "by_heads": by_heads, "gat_heads": gat_heads,
-           "edge_ones": edge_ones, "gemm_pack": gemm_pack}
+           "scalar": scalar, "is_one": is_one, "head_diag": head_diag, "by_heads": by_heads,
+           "gat_heads": gat_heads, "edge_ones": edge_ones, "gemm_pack": gemm_pack}
 
 
 def all_steps(choice):

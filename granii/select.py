@@ -183,4 +183,5 @@ def _base(arg):
     return arg.split("[", 1)[0] if isinstance(arg, str) else arg
 
 
-__all__ = ["rank", "price", "trial_candidates", "TRIAL_MARGIN", "step_seconds", "Choice", "EXPECTED_CALLS", "EVERY"]
+__all__ = ["rank", "price", "trial_candidates", "TRIAL_MARGIN", "step_seconds", "Choice",
+           "EXPECTED_CALLS", "EVERY"]

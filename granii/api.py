@@ -14,6 +14,7 @@ import torch
 
 from .dispatch import Dispatcher, Options, dispatcher_of, layer_states, leaf_vals_order, prepare
 from .explain import explain
+from .kernels import pool
 from .plan import plan_code
 from .select import EXPECTED_CALLS
 
@@ -90,6 +91,7 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     if not layers:
         raise TypeError(f"granii: {type(model).__name__} holds no GNN layer (a module whose "
                         "forward takes a graph as its first argument)")
+    pool.install()
     wrapped = []
     for name, layer in layers:
         d = dispatcher_of(layer)

@@ -45,6 +45,7 @@ from .memory import plan_memory
 from .plan import COMPUTED, REUSE, compile_plan, fuse_gemm_add, lower, tree_calls
 from .prune import prune
 from .select import EXPECTED_CALLS, TRIAL_MARGIN, rank, trial_candidates
+from .kernels import pool
 
 
 @dataclass
@@ -122,7 +123,11 @@ class Dispatcher:
         self.state = new_state(layer, name)
 
     def __call__(self, *args, **kwargs):
-        return dispatch(self.state, self.options, self.layer, args, kwargs)
+        pool.enter()
+        try:
+            return dispatch(self.state, self.options, self.layer, args, kwargs)
+        finally:
+            pool.leave()
 
     def __deepcopy__(self, memo):
         return Dispatcher(copy.deepcopy(self.layer, memo), self.state.name, self.options)

@@ -69,6 +69,7 @@ import torch
 from .dispatch import ORIGINAL, TRIAL_MARGIN, Dispatcher, Trial, dispatcher_of
 from .graph import _physical_memory, graph_info
 from .kernels import typed
+from .kernels import pool
 
 SPACES = ("0", "0R", "1", "2", "3", "4")
 ORDER = {s: i for i, s in enumerate(SPACES)}          # position along the chain
@@ -535,7 +536,11 @@ class TypedDispatcher(Dispatcher):
         if self.state is None:
             self.state = self.state_type(getattr(self, "_name", type(self.layer).__name__),
                                          self.layer)
-        return type(self).run(self.state, self.options, self.layer, args, kwargs)
+        pool.enter()
+        try:
+            return type(self).run(self.state, self.options, self.layer, args, kwargs)
+        finally:
+            pool.leave()
 
     def __deepcopy__(self, memo):
         return type(self)(copy.deepcopy(self.layer, memo), self.state.name, self.options)
@@ -827,7 +832,11 @@ class HeteroDispatcher(Dispatcher):
     def __call__(self, g, inputs, mod_args=None, mod_kwargs=None):
         if self.state is None:
             self.state = HeteroState(getattr(self, "_name", type(self.layer).__name__), self.layer)
-        return hetero_dispatch(self.state, self.layer, g, inputs, mod_args, mod_kwargs)
+        pool.enter()
+        try:
+            return hetero_dispatch(self.state, self.layer, g, inputs, mod_args, mod_kwargs)
+        finally:
+            pool.leave()
 
     def __deepcopy__(self, memo):
         return HeteroDispatcher(copy.deepcopy(self.layer, memo), self.state.name, self.options)

@@ -123,11 +123,7 @@ class Dispatcher:
         self.state = new_state(layer, name)
 
     def __call__(self, *args, **kwargs):
-        pool.enter()
-        try:
-            return dispatch(self.state, self.options, self.layer, args, kwargs)
-        finally:
-            pool.leave()
+        return pool.run(args, dispatch, self.state, self.options, self.layer, args, kwargs)
 
     def __deepcopy__(self, memo):
         return Dispatcher(copy.deepcopy(self.layer, memo), self.state.name, self.options)

@@ -536,11 +536,7 @@ class TypedDispatcher(Dispatcher):
         if self.state is None:
             self.state = self.state_type(getattr(self, "_name", type(self.layer).__name__),
                                          self.layer)
-        pool.enter()
-        try:
-            return type(self).run(self.state, self.options, self.layer, args, kwargs)
-        finally:
-            pool.leave()
+        return pool.run(args, type(self).run, self.state, self.options, self.layer, args, kwargs)
 
     def __deepcopy__(self, memo):
         return type(self)(copy.deepcopy(self.layer, memo), self.state.name, self.options)
@@ -832,11 +828,9 @@ class HeteroDispatcher(Dispatcher):
     def __call__(self, g, inputs, mod_args=None, mod_kwargs=None):
         if self.state is None:
             self.state = HeteroState(getattr(self, "_name", type(self.layer).__name__), self.layer)
-        pool.enter()
-        try:
-            return hetero_dispatch(self.state, self.layer, g, inputs, mod_args, mod_kwargs)
-        finally:
-            pool.leave()
+        feats = tuple(inputs.values()) if isinstance(inputs, dict) else (inputs,)
+        return pool.run(feats, hetero_dispatch, self.state, self.layer, g, inputs, mod_args,
+                        mod_kwargs)
 
     def __deepcopy__(self, memo):
         return HeteroDispatcher(copy.deepcopy(self.layer, memo), self.state.name, self.options)

@@ -210,3 +210,45 @@ def test_without_the_extension_the_pool_does_nothing(monkeypatch):
     assert pool.stats() == {"installed": False, "cached": 0, "live": 0, "limit": 0, "hits": 0,
                             "misses": 0}
     assert pool.release() == 0
+
+
+def _pooled_requests():
+    s = pool.stats()
+    return s["hits"] + s["misses"]
+
+
+@needs_native
+def test_the_backward_of_a_large_layer_is_pooled_and_the_scope_closes():
+    g = _graph()
+    layer = granii(_model(GraphConv, 64, 128), g, torch.randn(g.num_nodes(), 64))
+    x = torch.randn(g.num_nodes(), 64, requires_grad=True)
+    y = layer(g, x)
+    before = _pooled_requests()
+    (y * y).sum().backward()
+    assert _pooled_requests() > before, "the layer's backward made no pooled request"
+    assert pool._OPEN[0] == 0
+    after = _pooled_requests()
+    z = torch.empty(BIG * 2, dtype=torch.uint8)    # after the backward: outside the scope again
+    del z
+    assert _pooled_requests() == after
+
+
+@needs_native
+def test_a_backward_that_raises_leaves_no_scope_open():
+    g = _graph()
+    layer = granii(_model(GraphConv, 64, 128), g, torch.randn(g.num_nodes(), 64))
+    x = torch.randn(g.num_nodes(), 64, requires_grad=True)
+
+    def fail(grad):
+        raise RuntimeError("a hook of the user's")
+
+    x.register_hook(fail)
+    with pytest.raises(RuntimeError, match="a hook of the user's"):
+        layer(g, x).sum().backward()
+    with torch.no_grad():
+        layer(g, torch.randn(g.num_nodes(), 64))     # the next forward closes what was left open
+    assert pool._OPEN[0] == 0
+    before = _pooled_requests()
+    z = torch.empty(BIG * 2, dtype=torch.uint8)
+    del z
+    assert _pooled_requests() == before

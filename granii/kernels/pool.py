@@ -6,13 +6,16 @@ on first touch: measured here, a fresh 77 MB tensor is written at about 5 GB/s a
 GEMM that fills it. While a layer optimized by granii runs (its plan, or its original forward when
 granii runs that), requests of 4 MiB and more on that thread are served from blocks freed earlier;
 everything else goes to torch's allocator unchanged. A block returns to the cache when its tensor
-dies, whoever holds it then.
+dies, whoever holds it then. In training the scope opens again in the backward pass, from the
+gradient of an optimized layer's output to the end of that backward (``in_backward``).
 
 The cache keeps at most ``limit`` bytes of free blocks: a quarter of physical memory, or the
 environment variable ``GRANII_POOL_LIMIT`` (bytes; ``0`` turns pooling off), or
 ``set_limit(bytes)``. ``release()`` frees the cache; ``stats()`` says what it holds. Without the
 native extension, or when another CPU allocator than torch's own is installed, nothing is pooled.
 """
+import torch
+
 from granii.kernels import native
 
 _MOD = native._MODULE if native.AVAILABLE and hasattr(native._MODULE, "pool_enter") else None
@@ -34,6 +37,56 @@ def _noop():
 
 enter = _MOD.pool_enter if _MOD is not None else _noop
 leave = _MOD.pool_leave if _MOD is not None else _noop
+
+
+BIG = 4 << 20           # bytes: the pool's smallest block (csrc/pool.cpp, kMinBlock)
+_OPEN = [0]             # scopes opened by backward hooks and not closed yet
+
+
+def in_backward(out, args):
+    """Pool the backward of a layer call with result ``out`` and arguments ``args``: a hook on
+    ``out``'s gradient enters the scope and queues its leaving for the end of that backward pass.
+    Only when a backward can follow and some tensor involved is large; scopes a failed backward
+    left open are closed by ``close_stale`` at the next forward."""
+    if _MOD is None or not _INSTALLED or not isinstance(out, torch.Tensor) or \
+            not out.requires_grad:
+        return
+    if out.nbytes < BIG and not any(isinstance(a, torch.Tensor) and a.requires_grad and
+                                    a.nbytes >= BIG for a in args):
+        return
+    out.register_hook(_open_backward)
+
+
+def _open_backward(grad):
+    enter()
+    _OPEN[0] += 1
+    torch.autograd.Variable._execution_engine.queue_callback(_close_backward)
+
+
+def _close_backward():
+    if _OPEN[0] > 0:
+        _OPEN[0] -= 1
+        leave()
+
+
+def close_stale():
+    """Outside a backward pass, close the backward scopes still open (a backward that raised)."""
+    if _OPEN[0] and torch._C._current_graph_task_id() < 0:
+        while _OPEN[0] > 0:
+            _close_backward()
+
+
+def run(inputs, fn, *args):
+    """``fn(*args)`` inside the scope, and the backward of its result (``in_backward``, with the
+    layer's arguments ``inputs``)."""
+    close_stale()
+    enter()
+    try:
+        out = fn(*args)
+    finally:
+        leave()
+    in_backward(out, inputs)
+    return out
 
 
 def stats():

@@ -26,6 +26,7 @@ import torch
 
 from granii.featurize import FEATURE_NAMES, graph_features
 from granii.graph import GraphInfo
+from granii.kernels import pool
 from profiler import generators as gen
 from profiler import points as pts
 from profiler.timing import fix_threads, side_by_side, time_once
@@ -138,10 +139,16 @@ def _weight(config, prim, sizes, n_impls, n_src=0, n_dst=0, e=0, phase="forward"
 
 # -- measuring -------------------------------------------------------------------------------------
 def measure(fns, config, est, phase="forward"):
-    """``{impl: (median, samples)}`` of the callables ``fns`` timed side by side."""
+    """``{impl: (median, samples)}`` of the callables ``fns`` timed side by side, inside granii's
+    memory pool as a layer's plans run (``granii.kernels.pool``: large results reuse blocks)."""
     repeat = config.repeat_fast if est < 1e-3 else config.repeat
-    with torch.set_grad_enabled(phase != "forward"):
-        return side_by_side(fns, warmup=config.warmup, repeat=repeat, budget=config.budget)
+    pool.install()
+    pool.enter()
+    try:
+        with torch.set_grad_enabled(phase != "forward"):
+            return side_by_side(fns, warmup=config.warmup, repeat=repeat, budget=config.budget)
+    finally:
+        pool.leave()
 
 
 class Probe:

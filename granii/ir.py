@@ -69,7 +69,8 @@ class Leaf:
     ``source`` says where its value comes from at run time:
     ``("arg", name)`` a forward() argument, ``("param", attr)`` a parameter of the module,
     ``("graph",)`` the adjacency, ``("edge", name)`` adjacency with edge values from argument
-    ``name``, ``("degree", "in"|"out", power, clamp_min)`` a degree power.
+    ``name``, ``("degree", "in"|"out", power, clamp_min, shift)`` the power ``(max(deg + shift,
+    clamp_min))^power``.
     ``transposed`` marks ``W^T`` of a stored ``W`` (``nn.Linear`` keeps ``W`` as out x in).
     """
     name: str

@@ -70,8 +70,8 @@ def _ident(text):
 
 def leaf_var(leaf):
     if leaf.source[0] == "degree":
-        _, side, p, _ = leaf.source
-        return _ident(f"D_{side}_p{p:g}")
+        _, side, p, _, shift = leaf.source
+        return _ident(f"D_{side}_p{p:g}" + (f"_s{shift:g}" if shift else ""))
     if leaf.source[0] in ("scalar", "headdiag"):
         return _ident(f"{leaf.source[0]}_{leaf.source[1]}")
     if leaf.source[0] in ("arg", "edge", "arg_dst"):
@@ -262,8 +262,9 @@ def plan_code(plan, impls, name="plan"):
              f"    # tree: {plan.trees()}"]
     for var, leaf in plan.leaves.items():
         if leaf.source[0] == "degree":
-            _, side, p, clamp = leaf.source
-            lines.append(f"    {var} = degree_power(gi, {side!r}, {p!r}, {clamp!r})")
+            _, side, p, clamp, shift = leaf.source
+            lines.append(f"    {var} = degree_power(gi, {side!r}, {p!r}, {clamp!r}"
+                         + (f", {shift!r})" if shift else ")"))
         elif leaf.source[0] == "scalar":
             _, attr, offset, factor = leaf.source
             lines.append(f"    {var} = scalar(module, {attr!r}, {offset!r}, {factor!r})")
@@ -462,14 +463,16 @@ def signatures(plan):
 
 
 # -- runtime helpers the generated code calls ------------------------------------------------------
-def degree_power(gi, side, power, clamp):
-    """``deg^power`` of the in- (destination) or out- (source) degrees, clamped below first."""
+def degree_power(gi, side, power, clamp, shift=0.0):
+    """``(max(deg + shift, clamp))^power`` of the in- (destination) or out- (source) degrees."""
     def make():
         d = gi.in_degrees() if side == "in" else gi.out_degrees()
+        if shift:
+            d = d + shift
         if clamp is not None:
             d = d.clamp(min=clamp)
         return d if power == 1 else torch.pow(d, power)
-    return gi.memo(("degree", side, power, clamp), make)
+    return gi.memo(("degree", side, power, clamp, shift), make)
 
 
 def once_per_graph(gi, key, compute):

@@ -1,5 +1,6 @@
 """GIN, SGC, SAGE and user-written layers: every promoted plan equals the DGL layer."""
 import copy
+import io
 import itertools
 
 import dgl
@@ -9,7 +10,7 @@ import torch
 from dgl.nn import GATConv, GINConv, SAGEConv, SGConv, TAGConv
 from torch import nn
 
-from granii import granii
+from granii import explain, granii
 from granii.api import layer_states
 from graphs import GRAPHS, block, edge_weights
 from plan_check import check_all_plans
@@ -102,6 +103,23 @@ def test_sage_mean_graphs_and_blocks():
         layer = make(k_in, k_out)
         x = feats(b, k_in)
         check_all_plans(layer, (b, x), {}, [x] + list(layer.parameters()))
+
+
+def test_sage_gcn_aggregator_divides_by_degree_plus_one():
+    """``(A H + H) / (deg + 1)``: the shifted degree ``(D_in + 1)^-1`` is a leaf of its own (a
+    node without in-edges keeps its own features), on graphs, weighted graphs and blocks."""
+    make = lambda a, b: SAGEConv(a, b, "gcn", activation=torch.relu)
+    check_layer(make)
+    check_layer(make, edge_w=True)
+    b = block()
+    for k_in, k_out in SIZES:
+        layer = make(k_in, k_out)
+        x = feats(b, k_in)
+        check_all_plans(layer, (b, x), {}, [x] + list(layer.parameters()))
+    g = GRAPHS["undirected"]()
+    layer = granii(make(5, 9), g, feats(g, 5))
+    text = explain(layer, file=io.StringIO())
+    assert "NOT OPTIMIZED" not in text and "(D_in+1)^-1" in text
 
 
 def test_sage_on_sampled_blocks_from_the_data_loader():

@@ -510,9 +510,13 @@ def degree_arith(it, op, a, b, node):
     if op == "Pow" and isinstance(a, Degrees) and isinstance(b, (int, float)):
         return dataclasses.replace(a, power=a.power * b)
     if op in ("Add", "Sub") and isinstance(a if isinstance(b, Degrees) else b, (int, float)):
-        fail(node, f"degrees {'plus' if op == 'Add' else 'minus'} a number (e.g. "
-             "graph.in_degrees() + 1)", "the IR's degree leaves are powers of degrees clamped "
-             "below, (max(deg, c))^p; a shifted degree is not one")
+        d, c = (b, a) if isinstance(b, Degrees) else (a, b)
+        if op == "Sub" and d is b:
+            fail(node, "a number minus degrees", "only degrees plus or minus a number are lowered")
+        if d.power != 1 or d.clamp is not None:
+            fail(node, "a number added to a power or a clamp of degrees",
+                 "the IR's degree leaves are (max(deg + s, c))^p: the shift comes first")
+        return dataclasses.replace(d, shift=d.shift + (c if op == "Add" else -c) * 1.0)
     fail(node, f"operator {op} on degrees", "not lowered")
 
 

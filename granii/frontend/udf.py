@@ -403,8 +403,8 @@ def _keeps_zero(ref):
 
 def _finite(n):
     """No degree power under ``n`` is infinite on a node of degree 0."""
-    return all(not (l.source[0] == "degree" and l.source[2] < 0 and not l.source[3])
-               for l in ir.leaves(n))
+    return all(not (l.source[0] == "degree" and l.source[2] < 0 and not l.source[3]
+                    and l.source[4] <= 0) for l in ir.leaves(n))
 
 
 # -- values inside user functions --------------------------------------------------------------------

@@ -48,17 +48,20 @@ class Edges:
 
 @dataclass
 class Degrees:
-    """The degree vector ``deg^power``, degrees clamped below at ``clamp`` first; ``side`` is
-    ``"in"`` (destinations) or ``"out"`` (sources)."""
+    """The degree vector ``(max(deg + shift, clamp))^power``: degrees shifted by a number, then
+    clamped below at ``clamp``, then raised; ``side`` is ``"in"`` (destinations) or ``"out"``
+    (sources). SAGEConv's ``gcn`` aggregator divides by ``deg + 1``: ``shift=1, power=-1``."""
     side: str
     power: float = 1.0
     clamp: float = None
+    shift: float = 0.0
 
     def leaf(self, rows):
         p = self.power
         ptxt = "" if p == 1 else f"^{p:g}"
-        return ir.Leaf(f"D_{self.side}{ptxt}", rows, rows, ir.SPARSE, ir.DIAGONAL,
-                       ("degree", self.side, float(p), self.clamp))
+        base = f"D_{self.side}" if not self.shift else f"(D_{self.side}{self.shift:+g})"
+        return ir.Leaf(f"{base}{ptxt}", rows, rows, ir.SPARSE, ir.DIAGONAL,
+                       ("degree", self.side, float(p), self.clamp, float(self.shift)))
 
 
 @dataclass

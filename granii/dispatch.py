@@ -41,11 +41,11 @@ from .fuse import fused_variants
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .frontend.rules import config_summary
 from .graph import graph_info, known_info
+from .kernels import pool
 from .memory import plan_memory
 from .plan import COMPUTED, REUSE, compile_plan, fuse_gemm_add, lower, tree_calls
 from .prune import prune
 from .select import EXPECTED_CALLS, TRIAL_MARGIN, rank, trial_candidates
-from .kernels import pool
 
 
 @dataclass

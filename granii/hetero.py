@@ -68,8 +68,7 @@ import torch
 
 from .dispatch import ORIGINAL, TRIAL_MARGIN, Dispatcher, Trial, dispatcher_of
 from .graph import _physical_memory, graph_info
-from .kernels import typed
-from .kernels import pool
+from .kernels import pool, typed
 
 SPACES = ("0", "0R", "1", "2", "3", "4")
 ORDER = {s: i for i, s in enumerate(SPACES)}          # position along the chain

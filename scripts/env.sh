@@ -28,9 +28,16 @@ native_status() {
 
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "granii: setting up $venv from requirements.lock (first time: about 3-5 minutes)..." >&2
+  # The lock holds torch's CUDA build (about 5 GB installed): no wheel cache, so the disk holds one copy
+  free_kb="$(df -Pk "$(dirname "$venv")" | awk 'NR==2 {print $4}')"
+  if [ "${free_kb:-0}" -lt 6000000 ]; then
+    echo "granii: only $((free_kb / 1024)) MB free beside $venv; the environment needs about 6 GB." \
+         "Free some disk, or set GRANII_VENV to a directory on a larger disk, and run this again." >&2
+    exit 1
+  fi
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$root/requirements.lock" >&2
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$root" >&2
+  "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check -r "$root/requirements.lock" >&2
+  "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check --no-deps --no-build-isolation -e "$root" >&2
   echo "$want" > "$stamp"
   echo "$native_want" > "$native_stamp"
   native_status

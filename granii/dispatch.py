@@ -41,7 +41,7 @@ from .fuse import fused_variants
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .frontend.rules import config_summary
 from .graph import graph_info, known_info
-from .kernels import pool
+from .kernels import pool, sparse_rows
 from .memory import plan_memory
 from .plan import COMPUTED, REUSE, compile_plan, fuse_gemm_add, lower, tree_calls
 from .prune import prune
@@ -1250,6 +1250,10 @@ def _symbols(state, compiled, gi, out, values, module):
         if src[0] in COMPUTED or src[0] == "edge":
             continue
         _check_size(state, leaf, out[var], symbols, feat)
+        if leaf.sub == "data":         # mostly-zero features make some GEMMs cheaper (select.py)
+            density = sparse_rows.sampled_density(out[var])
+            if density is not None:
+                symbols[sparse_rows.density_symbol(var)] = density
     return symbols, tuple(sorted(symbols.items()))
 
 

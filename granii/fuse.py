@@ -218,7 +218,7 @@ def fuse_gat(plan):
             a, w = step.args
             step = by_var.get(a)
         drop = None
-        if step is not None and step.prim == "apply" and single(a) and _is_dropout(plan, step):
+        if step is not None and step.prim == "apply" and single(a) and is_dropout(plan, step):
             drop = step
             a = step.args[0]
             step = by_var.get(a)
@@ -267,6 +267,7 @@ def _leaky_relu_slope(ref, step):
     return None if slope is None else repr(slope)
 
 
-def _is_dropout(plan, step):
+def is_dropout(plan, step):
+    """``step`` applies one of the layer's ``nn.Dropout`` modules."""
     ref = plan.applies.get(step.var, ())
     return ref[:1] == ("module",) and step.key.startswith(f"{ref[1]}:Dropout(")

@@ -27,6 +27,8 @@ older model folders) ``c = f (1 + g + g')``: one more call of the same size per 
 from dataclasses import dataclass
 
 from .costmodel import concrete_dims
+from .fuse import is_dropout
+from .kernels import sparse_rows
 from .learned import TRAIN_GRADS
 from .plan import EVERY, GRAPH, INPUT, step_impls
 from .prune import GE, LT
@@ -106,6 +108,8 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
         extra = len(bias) * _column_sum_seconds(model, step.prim, gi, dims) if bias else 0.0
         for impl in step_impls(step):
             t = step_seconds(model, step.prim, impl, gi, dims, _heads(plan), needed) + extra
+            if (step.prim, impl) == ("gemm", "native"):       # reads X's nonzeros only
+                t *= sparse_rows.time_ratio(_density(plan, symbols, step.args[0]))
             amortised = step.when == GRAPH or (step.when == INPUT and cacheable)
             options.append((t / expected_calls if amortised else t, impl))
         t, impl = min(options)
@@ -176,6 +180,19 @@ def _column_sum_seconds(model, prim, gi, dims):
     if rows is None or cols is None:
         return 0.0
     return _predict(model, "row_scale", "torch", gi, {"n": rows, "k": cols}, 1)
+
+
+def _density(plan, symbols, var):
+    """The density the dispatcher sampled from the features that ``var`` holds, read through
+    the dropout modules applied to them on the way (they keep zeros zero); ``None`` if none was
+    recorded."""
+    by_var = {st.var: st for st in plan.steps}
+    while var in by_var:
+        st = by_var[var]
+        if st.prim != "apply" or len(st.args) != 1 or not is_dropout(plan, st):
+            return None
+        var = st.args[0]
+    return symbols.get(sparse_rows.density_symbol(var))
 
 
 def _base(arg):

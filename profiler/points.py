@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from granii import kernels
+from granii.costmodel import PRICED_AS
 from granii.learned import MODEL_SIZES, PHASES, TRAIN_GRADS, baseline_seconds
 from profiler import generators as gen
 
@@ -292,8 +293,9 @@ def runners(prim, gi, sizes, impls, phase="forward"):
 
 def registered(prims):
     """``[(prim, [impls])]`` of the primitives in ``prims`` that the kernel registry has (every
-    implementation registered, the native ones included when the extension is built)."""
-    return [(p, kernels.implementations(p)) for p in prims
+    implementation registered, the native ones included when the extension is built, except those
+    priced as another, ``costmodel.PRICED_AS``)."""
+    return [(p, [i for i in kernels.implementations(p) if (p, i) not in PRICED_AS]) for p in prims
             if p in kernels.REGISTRY and p in MODEL_SIZES]
 
 

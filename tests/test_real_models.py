@@ -25,6 +25,7 @@ RTOL = 1e-4
 # cancellation: its rounding error relative to its largest entry is a few times an output's (GAT's
 # attn_r in float32: up to 4.3e-4 seen with plans that agree with DGL to 1e-9 in float64).
 RTOL_GRAD = 6e-4
+ATOL = 1e-6
 CALLS = 3
 GRAPHS = {"directed": directed, "undirected": undirected, "zero_in_degree": zero_in_degree}
 
@@ -39,7 +40,7 @@ def assert_close(got, want, what, rtol=RTOL):
     if not want.numel():
         return
     err = (got.double() - want.double()).abs().max().item()
-    tol = 1e-6 + rtol * want.abs().max().item()
+    tol = ATOL + rtol * want.abs().max().item()
     assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (DGL's largest value " \
                        f"{want.abs().max().item():.3g})"
 

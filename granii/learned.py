@@ -29,6 +29,7 @@ another machine rescaled by a short calibration of this one (``granii.calibratio
 pair no model covers is priced by the analytical roofline with calibrated rates. Each of these
 substitutions is announced once.
 """
+import hashlib
 import itertools
 import json
 import math
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .costmodel import AnalyticalCost
+from .costmodel import PRICED_AS, AnalyticalCost
 from .featurize import feature_names, featurize
 from .fingerprint import differences, fingerprint_id, machine_fingerprint
 
@@ -332,6 +333,7 @@ class LearnedCost:
 
     def pricer(self, prim, impl, phase="forward"):
         """The name of the cost model that prices ``(prim, impl)`` in ``phase``."""
+        prim, impl = PRICED_AS.get((prim, impl), (prim, impl))
         if self.has_model(prim, impl, phase):
             return self.name
         if phase != "forward" and self.has_model(prim, impl):
@@ -346,6 +348,7 @@ class LearnedCost:
         return self._predict("train", prim, impl, gi, dims, True)
 
     def _predict(self, phase, prim, impl, gi, dims, warn):
+        prim, impl = PRICED_AS.get((prim, impl), (prim, impl))
         if prim not in MODEL_SIZES:      # add, cat, row_slice, diag_mul: never profiled
             return _ROOFLINE.predict(prim, impl, gi, dims) if phase == "forward" else None
         trees = self.trees if phase == "forward" else self.train_trees
@@ -439,19 +442,70 @@ def load(path, fingerprint=None, check=True):
                 f"granii: the {key} model in {path} was trained for another feature set "
                 f"({len(entry.get('features') or [])} features, {len(want)} now): re-run {FIX}")
         fpath = path / entry.get("file", model_file(prim, impl, phase))
-        try:
-            trees = Trees(json.loads(fpath.read_text()))
-            n_feat = trees.num_features
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CostModelError(
-                f"granii: cost-model file {fpath} is missing or damaged ({first[:200]}): "
-                f"re-run {FIX}") from None
-        if n_feat != len(want):
-            raise CostModelError(f"granii: cost-model file {fpath} expects {n_feat} features, "
-                                 f"its manifest {len(want)}: re-run {FIX}")
-        models[phase][(prim, impl)] = trees
-    return LearnedCost(models["forward"], manifest, path, train_trees=models["train"])
+        if entry.get("sha256"):      # checked now, parsed when a call first needs it
+            try:
+                same = file_sha256(fpath) == entry["sha256"]
+            except OSError as e:
+                raise CostModelError(f"granii: cost-model file {fpath} is missing or damaged "
+                                     f"({e.strerror}): re-run {FIX}") from None
+            if not same:
+                raise CostModelError(f"granii: cost-model file {fpath} is damaged (its SHA-256 "
+                                     f"differs from the manifest's): re-run {FIX}")
+            models[phase][(prim, impl)] = _LazyTrees(fpath, len(want))
+        else:                        # folders made before the manifest kept hashes
+            models[phase][(prim, impl)] = read_trees(fpath, len(want))
+    return LearnedCost(_TreeMap(models["forward"]), manifest, path,
+                       train_trees=_TreeMap(models["train"]))
+
+
+def file_sha256(path):
+    """Hex SHA-256 of a file's bytes (the manifest keeps one per model file)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def read_trees(fpath, n_features):
+    """The ``Trees`` of one model file, or ``CostModelError`` naming the file and the fix."""
+    try:
+        trees = Trees(json.loads(Path(fpath).read_text()))
+        n_feat = trees.num_features
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CostModelError(
+            f"granii: cost-model file {fpath} is missing or damaged ({first[:200]}): "
+            f"re-run {FIX}") from None
+    if n_feat != n_features:
+        raise CostModelError(f"granii: cost-model file {fpath} expects {n_feat} features, "
+                             f"its manifest {n_features}: re-run {FIX}")
+    return trees
+
+
+class _LazyTrees:
+    """A model file whose bytes matched the manifest's hash, parsed on first use."""
+    __slots__ = ("path", "n_features")
+
+    def __init__(self, path, n_features):
+        self.path, self.n_features = path, n_features
+
+
+class _TreeMap(dict):
+    """``{(prim, impl): Trees}`` whose files are parsed when first looked up (a 13 MB folder of
+    JSON takes 0.4 s to parse; a run needs a few of its models)."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        if isinstance(value, _LazyTrees):
+            value = read_trees(value.path, value.n_features)
+            self[key] = value
+        return value
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def values(self):
+        return [self[k] for k in self]
+
+    def items(self):
+        return [(k, self[k]) for k in self]
 
 
 _LOADED = {}
@@ -533,12 +587,13 @@ def default_cost_model(root=None):
     except CostModelError as e:
         reason = e
     here = _Lazy(lambda: calibration.this_machine(fp))
-    foreign = foreign_models(root, fp) if root.is_dir() else []
-    chain = transferred(foreign, here)
-    if own is not None:
-        own._fallback = chain
+    if own is not None:         # other setups' models are read only if a pair lacks a model here
+        own._fallback = _Lazy(lambda: _resolve(transferred(
+            foreign_models(root, fp) if root.is_dir() else [], here)))
         _LOADED[key] = own
         return own
+    foreign = foreign_models(root, fp) if root.is_dir() else []
+    chain = transferred(foreign, here)
     what = (f"the models of {foreign[0].manifest['fingerprint_id']} "
             f"({foreign[0].manifest['fingerprint'].get('cpu_model')}, "
             f"{foreign[0].manifest['fingerprint'].get('threads')} threads) rescaled by a "

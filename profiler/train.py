@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from granii.featurize import FEATURE_NAMES
-from granii.learned import (BASELINE, FORMAT, MANIFEST, MODEL_SIZES, model_feature_names,
-                            model_file, model_inputs, model_key)
+from granii.learned import (BASELINE, FORMAT, MANIFEST, MODEL_SIZES, file_sha256,
+                            model_feature_names, model_file, model_inputs, model_key)
 from granii.fingerprint import fingerprint_id
 from granii.graph import GraphInfo
 from profiler import generators as gen
@@ -192,7 +192,8 @@ def train(run_dir, out_dir, fingerprint, params=None, run_info=None, log=print, 
         booster.save_model(str(tmp / fname))
         key = model_key(prim, impl, phase)
         models[key] = {
-            "file": fname, "features": model_feature_names(prim),
+            "file": fname, "sha256": file_sha256(tmp / fname),
+            "features": model_feature_names(prim),
             "sizes": list(MODEL_SIZES[prim][1]), "baseline": BASELINE,
             "points": int(len(y)), "graphs": int(len(set(groups))),
             "phase": phase,

@@ -16,7 +16,7 @@ from granii import learned
 from granii.costmodel import AnalyticalCost
 from granii.fingerprint import differences, fingerprint_id, machine_fingerprint
 from granii.graph import GraphInfo
-from granii.learned import CostModelError, LearnedCost, Trees, load, model_inputs
+from granii.learned import MANIFEST, CostModelError, LearnedCost, Trees, load, model_inputs
 from profiler import generators as gen
 from profiler.harness import GRAPHS, POINTS, _append, graph_record
 from profiler.points import point_key
@@ -114,6 +114,26 @@ def test_loads_and_predicts(model_dir):
                                                             {"m": 500, "k": 64, "n": 32})]:
         t = lc.predict(prim, impl, gi, dims)
         assert math.isfinite(t) and t > 0
+
+
+def test_model_files_are_checked_at_load_and_parsed_on_first_use(copy_dir):
+    """The manifest keeps each file's SHA-256: loading checks the bytes (a damaged file is refused
+    then, see below) and parses a file when a prediction first needs it; a folder whose manifest
+    has no hashes (made before) is parsed whole at load, as it was."""
+    from granii.learned import _LazyTrees
+    manifest = json.loads((copy_dir / MANIFEST).read_text())
+    assert all(len(e["sha256"]) == 64 for e in manifest["models"].values())
+    lc = load(copy_dir)
+    stored = lambda: dict.__getitem__(lc.trees, ("gemm", "torch"))     # noqa: E731
+    assert isinstance(stored(), _LazyTrees)
+    t = lc.predict("gemm", "torch", _info(), {"m": 500, "k": 64, "n": 32})
+    assert isinstance(stored(), Trees) and math.isfinite(t)
+    for e in manifest["models"].values():
+        del e["sha256"]
+    (copy_dir / MANIFEST).write_text(json.dumps(manifest))
+    old = load(copy_dir)
+    assert all(isinstance(dict.__getitem__(old.trees, k), Trees) for k in old.trees)
+    assert old.predict("gemm", "torch", _info(), {"m": 500, "k": 64, "n": 32}) == t
 
 
 def test_learns_the_implementation_ratio(model_dir):

@@ -253,8 +253,10 @@ def test_quick_config_profiles_every_registered_pair():
     prims = dict(pts.registered(quick.prims))
     assert {"spmm_norm", "gat_aggregate"} <= set(prims)
     from granii import kernels
-    for prim, impls in prims.items():
-        assert impls == kernels.implementations(prim)
+    from granii.costmodel import PRICED_AS
+    for prim, impls in prims.items():       # every pair, except those priced as another
+        assert impls == [i for i in kernels.implementations(prim) if (prim, i) not in PRICED_AS]
+        assert impls
     assert quick.phases == ("forward", "train") and quick.max_wait == 0
     sizes = pts.graph_sizes("gat_aggregate", quick)
     assert all(s["k"] % s["heads"] == 0 for s in sizes)

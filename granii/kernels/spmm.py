@@ -5,12 +5,18 @@ the backward ``dX = A^T dY`` uses a transpose built once per graph from ``gi.csr
 ``gi.cache`` (torch's own CSR backward re-transposes ``A`` on every call), and the edge-value
 gradient is the SDDMM ``dw_e = <dY[v], X[u]>`` (DGL's ``u_dot_v``, in edge order).
 """
+import warnings
 import weakref
 
 import dgl
 import torch
 
 from granii.kernels.registry import register
+
+# torch says once per process that its CSR tensors are in beta; granii builds them for its own
+# kernels (the ``torch_csr`` implementations), not the user
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta",
+                        category=UserWarning)
 
 _INT32_MAX = 2**31 - 1
 

@@ -24,7 +24,8 @@ Rules, each fitted without the graph it is scored on (leave one graph out):
 
 A rule's plan that was not timed on a configuration (it failed there) counts as the worst timed
 candidate. Writes ``selection_rules_<threads>t.md`` (summary per layer and mode, how often the
-fastest candidate was a plan pruning removed, and a map of granii's choices over graphs and sizes)
+fastest candidate was a plan pruning removed and how much slower the fastest promoted plan was
+then, and a map of granii's choices over graphs and sizes)
 and ``selection_rules_<threads>t.csv``.
 """
 import argparse
@@ -42,7 +43,8 @@ if str(ROOT) not in sys.path:
 from granii.datasets import load_graph  # noqa: E402
 from granii.learned import default_cost_model  # noqa: E402
 from granii.select import rank, trial_candidates  # noqa: E402
-from scripts.validate_costmodels import _canonical, _key_text, make_layer, prepared  # noqa: E402
+from scripts.validate_costmodels import (_canonical, _key_text, make_layer, prepared,  # noqa: E402
+                                         timed_candidates)
 
 DGL = "dgl-layer"
 RULES = ("granii", "granii + trial", "per model", "per sizes", "nearest graph", "DGL layer")
@@ -54,15 +56,22 @@ def geomean(xs):
 
 
 def load_rows(path, threads, metric):
-    rows = {}
+    """The configurations timed at ``threads``, the last of each, with ``t``: the ``metric``
+    times of the candidates the study makes now (``timed_candidates``)."""
+    rows, graphs = {}, {}
     for line in Path(path).read_text().splitlines():
         if not line.strip():
             continue
         r = json.loads(line)
         if r["threads"] != threads:
             continue
-        r["t"] = r[metric]
         rows[(r["layer"], r["graph"], r["k_in"], r["k_out"], r["mode"])] = r
+    for r in rows.values():
+        g = graphs.get(r["graph"])
+        if g is None:
+            g = graphs[r["graph"]] = load_graph(r["graph"])
+        call, _ = prepared(make_layer(r["layer"], r["k_in"], r["k_out"]), g, r["k_in"], r["mode"])
+        r["t"] = timed_candidates(r[metric], call)
     return list(rows.values())
 
 
@@ -130,8 +139,10 @@ def evaluate(rows, model):
                  "per sizes": fit(same_sizes), "nearest graph": near, "DGL layer": DGL}
         best = min(r["t"], key=r["t"].get)
         rec = {k: r[k] for k in ("layer", "graph", "k_in", "k_out", "mode")}
+        promoted = [t for k, t in r["t"].items() if not k.startswith("p") and k != DGL]
         rec.update(oracle=best, oracle_pruned=best.startswith("p"), granii_plan=chosen[id(r)][1],
-                   candidates=len(r["t"]))
+                   candidates=len(r["t"]),
+                   pruning_cost=min(promoted) / oracle(r) if promoted else float("nan"))
         for rule, key in picks.items():
             rec[rule] = time_of(r, key) / oracle(r) if key is not None else float("nan")
         out.append(rec)
@@ -143,16 +154,17 @@ def summary_lines(recs):
     for e in recs:
         groups.setdefault((e["layer"], e["mode"]), []).append(e)
     head = "| layer | mode | n | " + " | ".join(f"{r} geomean / worst" for r in RULES) + \
-        " | fastest was pruned |"
-    lines = [head, "|---|---|---:|" + "---:|" * len(RULES) + "---:|"]
+        " | fastest was pruned | fastest promoted / fastest, worst |"
+    lines = [head, "|---|---|---:|" + "---:|" * len(RULES) + "---:|---:|"]
     for (layer, mode), es in sorted(groups.items()) + [(("**all**", ""), recs)]:
         cells = []
         for rule in RULES:
             v = [e[rule] for e in es if e[rule] == e[rule]]
             cells.append(f"{geomean(v):.3f} / {max(v):.2f}" if v else "-")
         pruned = sum(e["oracle_pruned"] for e in es)
+        cost = [e["pruning_cost"] for e in es if e["pruning_cost"] == e["pruning_cost"]]
         lines.append(f"| {layer} | {mode} | {len(es)} | " + " | ".join(cells) +
-                     f" | {pruned}/{len(es)} |")
+                     f" | {pruned}/{len(es)} | {max(cost):.2f} |")
     return lines
 
 

@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from granii.dispatch import every_plan, leaf_vals_order, new_state, prepare  # noqa: E402
-from granii.costmodel import AnalyticalCost  # noqa: E402
+from granii.costmodel import PRICED_AS, AnalyticalCost  # noqa: E402
 from granii.datasets import GRAPHS, load_graph  # noqa: E402
 from granii.fingerprint import fingerprint_id, machine_fingerprint  # noqa: E402
 from granii.graph import GraphInfo  # noqa: E402
@@ -191,13 +191,24 @@ def _state(layer):
 
 def _impl_options(step):
     """Implementations to time for a step: once-per-graph steps are not part of the steady-state
-    time, so one implementation stands for all of them."""
-    options = step_impls(step)
+    time, so one implementation stands for all of them. An implementation priced as another
+    (``costmodel.PRICED_AS``) runs that other one on the dense random features timed here, so it
+    is not timed twice."""
+    options = [i for i in step_impls(step) if (step.prim, i) not in PRICED_AS] or step_impls(step)
     return options[:1] if step.when == GRAPH else options
 
 
 def _canonical(plan, impls):
-    return tuple(_impl_options(s)[0] if s.when == GRAPH else i for s, i in zip(plan.steps, impls))
+    """The timed candidate that stands for ``impls`` on ``plan`` (see ``_impl_options``)."""
+    return tuple(_impl_options(s)[0] if s.when == GRAPH
+                 else PRICED_AS.get((s.prim, i), (s.prim, i))[1] for s, i in zip(plan.steps, impls))
+
+
+def timed_candidates(times, call):
+    """``times`` (``{candidate key: seconds}``) without the keys ``candidates`` no longer makes
+    (a run before an implementation was folded into another times both)."""
+    keep = {_key_text(k) for k in candidates(call, pruned=True)} | {"dgl-layer"}
+    return {k: v for k, v in times.items() if k in keep}
 
 
 def _lead_args(fn, call):
@@ -736,7 +747,7 @@ def layer_choices(rows, models, metric="min_times"):
         g = graphs[r["graph"]]
         layer = make_layer(r["layer"], r["k_in"], r["k_out"])
         call, _ = prepared(layer, g, r["k_in"], r["mode"])
-        times = {k: v for k, v in r[metric].items() if k != "dgl-layer"}
+        times = {k: v for k, v in timed_candidates(r[metric], call).items() if k != "dgl-layer"}
         best = min(times, key=times.get)
         entry = {k: r[k] for k in ("layer", "graph", "k_in", "k_out", "mode", "threads",
                                    "contended")}

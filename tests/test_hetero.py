@@ -448,6 +448,42 @@ def test_hetero_graphconv(kind, agg):
     assert ("source features on a block" if kind == "gcn" else "cat(x_dst, x_src)") in text
 
 
+
+def test_container_tie_break_then_either_path_gives_dgl():
+    """After the relations' own decisions, the container times the routed call against DGL's
+    forward (forward + backward) and keeps one; both give DGL's outputs and gradients."""
+    from granii.dispatch import ORIGINAL, TRIAL_ROUNDS, dispatcher_of
+    g = small_hetero()
+    model = HModel("gat", "sum")
+    ref = copy.deepcopy(model)
+    x = h_inputs(g)
+    granii(model, g, x)
+    state = dispatcher_of(model.h).state
+    compare_hetero(model, ref, g, x, calls=hetero.ROUTED_WARMUP)
+    assert state.kept is None and state.routed_calls == hetero.ROUTED_WARMUP
+    compare_hetero(model, ref, g, x, calls=2 * (TRIAL_ROUNDS + 1) + 1)
+    assert state.kept in (hetero.ROUTED, ORIGINAL)
+    assert sorted(lb for lb, _ in state.tuned) == sorted([hetero.ROUTED, ORIGINAL])
+    assert all(t > 0 for _, t in state.tuned)
+    text = granii.explain(model, file=open("/dev/null", "w"))
+    assert f"kept {state.kept}" in text
+    for kept in (ORIGINAL, hetero.ROUTED):
+        state.kept = kept
+        compare_hetero(model, ref, g, x, calls=2)
+        compare_hetero(model, ref, g, x, calls=1, train=False)
+
+
+def test_container_tie_break_off_when_deterministic():
+    from granii.dispatch import dispatcher_of
+    g = small_hetero()
+    model = HModel("sage", "mean")
+    ref = copy.deepcopy(model)
+    x = h_inputs(g)
+    granii(model, g, x, deterministic=True)
+    compare_hetero(model, ref, g, x, calls=hetero.ROUTED_WARMUP + 10)
+    state = dispatcher_of(model.h).state
+    assert state.kept is None and state.tuned is None
+
 def test_hetero_sampled_blocks():
     g = small_hetero(1)
     model = HModel("sage", "sum")

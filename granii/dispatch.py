@@ -796,6 +796,9 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
         trial.candidates = [c for c in trial.candidates if c[0] != label]
         trial.times.pop(label, None)
     if trial.settled() or len(trial.candidates) == 1:
+        for _, _, pending in trial.pending:     # this call's backward is not needed: no hook
+            pending.remove()                    # stays on the parameters
+        trial.pending.clear()
         per_graph[dkey] = trial.winner() if trial.times else trial.candidates[0]
         for home, key in trial.homes:
             home[key] = per_graph[dkey]

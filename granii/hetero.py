@@ -879,17 +879,22 @@ def hetero_call(state, options, layer, g, inputs, mod_args, mod_kwargs):
     trial = state.trial = state.trial or Trial([(ROUTED, None, None), (ORIGINAL, None, None)])
     trial.collect()
     label = trial.next()[0]
+    # on sampled blocks each call has a block of its own: times per unit of its size
+    scale = float(max(g.num_edges() + g.num_src_nodes() + g.num_dst_nodes(), 1)
+                  if g.is_block else 1)
     t0 = time.perf_counter()
     out = hetero_dispatch(*args, dgl_only=label == ORIGINAL)
-    seconds = time.perf_counter() - t0
-    clock = _DictClock.of(out, layer, inputs)
+    seconds = (time.perf_counter() - t0) / scale
+    clock = _DictClock.of(out, layer, inputs, scale)
     if clock is None:
         trial.record(label, seconds)
     else:
         trial.pending.append((label, seconds, clock))
     if trial.settled():
+        for _, _, pending in trial.pending:         # this call's backward is not needed
+            pending.remove()
         state.kept = trial.winner()[0]
-        state.tuned = trial.report()
+        state.tuned = [(lb, t * scale) for lb, t in trial.report()]
         state.trial = None
     return out
 
@@ -898,14 +903,14 @@ class _DictClock(BackwardClock):
     """``BackwardClock`` over every output of a dict: the backward starts at the first output
     gradient and ends at the last gradient of the parameters and inputs."""
 
-    def __init__(self, outs, tensors):
+    def __init__(self, outs, tensors, scale=1.0):
         self.start = self.end = None
-        self.scale = 1.0
+        self.scale = scale
         self.handles = [o.register_hook(self._first) for o in outs]
         self.handles += [t.register_hook(self._stop) for t in tensors]
 
     @classmethod
-    def of(cls, out, layer, inputs):
+    def of(cls, out, layer, inputs, scale=1.0):
         if not torch.is_grad_enabled():
             return None
         outs = [o for o in out.values() if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -913,7 +918,7 @@ class _DictClock(BackwardClock):
         tensors = [p for p in layer.parameters() if p.requires_grad]
         tensors += [t for d in feats if isinstance(d, dict) for t in d.values()
                     if isinstance(t, torch.Tensor) and t.requires_grad]
-        return cls(outs, tensors) if outs and tensors else None
+        return cls(outs, tensors, scale) if outs and tensors else None
 
     def _first(self, grad):
         if self.start is None:

@@ -467,6 +467,8 @@ def test_container_tie_break_then_either_path_gives_dgl():
     assert all(t > 0 for _, t in state.tuned)
     text = granii.explain(model, file=open("/dev/null", "w"))
     assert f"kept {state.kept}" in text
+    # every decision settled: no timing hook is left on the parameters
+    assert all(not p._backward_hooks for p in model.parameters())
     for kept in (ORIGINAL, hetero.ROUTED):
         state.kept = kept
         compare_hetero(model, ref, g, x, calls=2)

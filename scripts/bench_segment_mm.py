@@ -62,8 +62,7 @@ def measure(threads):
             "native_wgrad": lambda: torch.ops.granii.segment_mm_wgrad(x, g, seglen),
         }, warmup=3, repeat=15, budget=4.0)
         ms = {key: v[0] * 1e3 for key, v in t.items()}
-        routed_native = typed.NATIVE and (k * k <= typed.NATIVE_WGRAD_WIDTH
-                                          or n < 2048 * seglen.numel())
+        routed_native = typed.native_wgrad_routed(n, k, k, seglen.numel())
         row = dict(input=name, rows=n, relations=seglen.numel(), k=k, threads=threads,
                    dgl_ms=ms["dgl"], native_ms=ms["native"],
                    forward_speedup=ms["dgl"] / ms["native"],

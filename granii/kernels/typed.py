@@ -138,7 +138,15 @@ def segment_gemm(x, w, seglen):
 
 NATIVE = native.AVAILABLE and hasattr(torch.ops.granii, "segment_mm")
 NATIVE_WGRAD_WIDTH = 64 * 64      # k_in k_out up to which the native weight gradient is faster
+NATIVE_WGRAD_ROWS = 2048          # mean rows per segment below which it is faster at any width
 _native_wgrad = torch.ops.granii.segment_mm_wgrad if NATIVE else None
+
+
+def native_wgrad_routed(rows, k_in, k_out, segments):
+    """Whether ``segment_weight_grad`` runs the native kernel for float inputs of these shapes:
+    narrow weights, or many short segments."""
+    return NATIVE and (k_in * k_out <= NATIVE_WGRAD_WIDTH
+                       or rows < NATIVE_WGRAD_ROWS * max(segments, 1))
 
 
 def _segment_mm(x, w, seglen):
@@ -175,10 +183,9 @@ def segment_weight_grad(x, dy, seglen):
     relations). It keeps no index: stacking the products as one sparse move needed
     ``rows x k_in`` index entries (several GB on AM-sized graphs), and was slower. With the
     native extension, one ``granii::segment_mm_wgrad`` call where it is faster: narrow weights
-    (``NATIVE_WGRAD_WIDTH``) or many short segments."""
-    wide = x.shape[1] * dy.shape[1] > NATIVE_WGRAD_WIDTH
-    if (NATIVE and x.dtype in (torch.float32, torch.float64) and x.dtype == dy.dtype
-            and (not wide or x.shape[0] < 2048 * max(seglen.numel(), 1))):
+    (``native_wgrad_routed``)."""
+    if (x.dtype in (torch.float32, torch.float64) and x.dtype == dy.dtype
+            and native_wgrad_routed(x.shape[0], x.shape[1], dy.shape[1], seglen.numel())):
         return _native_wgrad(x, dy, seglen)
     sizes = seglen.tolist()
     return torch.stack([a.t() @ b for a, b in zip(x.split(sizes), dy.split(sizes))])

@@ -25,7 +25,6 @@ average before and after the run: timings on a loaded machine are slower and noi
 """
 import argparse
 import copy
-import csv
 import os
 import statistics
 import sys
@@ -38,6 +37,7 @@ import torch
 from granii import granii
 from granii.dispatch import dispatcher_of, prepare
 
+from .csvfile import write_csv
 from .graphs import with_self_loops
 from .models import MODELS
 
@@ -163,10 +163,7 @@ def main(argv=None):
               f"direct {r['direct_us']} us, overhead {r['overhead_us']} us", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "dispatch_overhead" + ("_grad" if args.grad else "")
-    with open(args.out / f"{stem}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out / f"{stem}.csv", rows)
     command = " ".join(["python -m bench.dispatch_overhead"]
                        + list(sys.argv[1:] if argv is None else argv))
     _write_md(rows, args, command, stem, load_before, os.getloadavg()[0])

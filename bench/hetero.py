@@ -36,6 +36,7 @@ import torch
 from dgl.nn.pytorch import RelGraphConv
 
 from granii import granii, hetero, hetero_graphs
+from .csvfile import write_csv
 
 BASES = {"aifb": 30, "mutag": 30, "bgs": 40, "am": 40}
 
@@ -214,10 +215,7 @@ def main(argv=None):
 def save(rows, out, runs):
     """Write the CSV and the report (after every case, so a stopped run keeps its results)."""
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "hetero.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(out, "hetero.csv"), rows)
     with open(os.path.join(out, "runs.json"), "w") as f:
         json.dump(runs, f, indent=1)
     write_md(rows, os.path.join(out, "hetero.md"), runs)

@@ -23,7 +23,6 @@ are compared (``max rel err``). Writes ``layers.csv`` and ``layers.md``.
 """
 import argparse
 import copy
-import csv
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.csvfile import write_csv  # noqa: E402
 from granii import granii, hetero, hetero_graphs  # noqa: E402
 from granii.dispatch import TRIAL_ROUNDS  # noqa: E402
 from profiler.timing import side_by_side  # noqa: E402
@@ -151,10 +151,7 @@ def _plans(model):
 
 def write(rows, out, runs):
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "layers.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "layers.csv", rows)
     lines = ["# HGT and RGAT-style layers: DGL vs granii", "",
              "Graphs **generated with the published statistics** of the RGCN benchmarks "
              "(`granii/hetero_graphs.py`), not the real datasets; random node features. "

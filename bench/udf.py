@@ -19,7 +19,6 @@ the first call of each library and kernel) are not charged to the first row.
 """
 import argparse
 import copy
-import csv
 import os
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from granii import granii
 from granii.datasets import load_graph
 from granii.dispatch import layer_states
 
+from .csvfile import write_csv
 from .graphs import with_self_loops
 
 
@@ -227,10 +227,7 @@ def main(argv=None):
                       f"{r['granii_ms']:.2f} ms, built-in {r['builtin_ms']:.2f} ms, granii on "
                       f"the built-in {r['granii_builtin_ms']:.2f} ms", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "udf.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out / "udf.csv", rows)
     lines = ["# Layers written with Python message and reduce functions", "",
              f"`python -m bench.udf --k {args.k} --calls {args.calls}`; 2 torch threads; "
              f"{(time.perf_counter() - t0) / 60:.1f} min; 1-minute load average {load0:.2f} at the "

@@ -38,7 +38,6 @@ Usage: ``OMP_NUM_THREADS=2 python -m scripts.bench_gat [--quick] [--budget S] [-
 and ``gat<T>.png``.
 """
 import argparse
-import csv
 import os
 import platform
 import statistics
@@ -56,6 +55,7 @@ import dgl.function as fn  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.csvfile import write_csv  # noqa: E402
 from granii import kernels  # noqa: E402
 from granii.datasets import load_graph  # noqa: E402
 from granii.graph import graph_info  # noqa: E402
@@ -265,13 +265,6 @@ def bench_blocks(g, name, heads, width, threads, rounds, rows, batch=1024, fanou
 
 
 # -- output ------------------------------------------------------------------------------------------
-def write_csv(rows, path):
-    if not rows:
-        return
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def _cell(rows, graph, threads, mode, impl):
@@ -420,9 +413,9 @@ def main(argv=None):
             "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "argv": " ".join(sys.argv[1:]),
             "load": load_at_start}
     t = args.tag
-    write_csv(rows, out / f"gat{t}.csv")
-    write_csv(prim_rows, out / f"gat{t}_primitives.csv")
-    write_csv(block_rows, out / f"gat{t}_blocks.csv")
+    write_csv(out / f"gat{t}.csv", rows)
+    write_csv(out / f"gat{t}_primitives.csv", prim_rows)
+    write_csv(out / f"gat{t}_blocks.csv", block_rows)
     write_markdown(rows, prim_rows, out / f"gat{t}.md", meta, block_rows)
     plot(rows, out / f"gat{t}.png")
     progress(f"wrote {out}/gat{t}.csv, gat{t}_primitives.csv, gat{t}_blocks.csv, gat{t}.md, gat{t}.png")

@@ -9,7 +9,6 @@ Usage: ``OMP_NUM_THREADS=2 python -m scripts.bench_kernels [--quick]``; writes
 ``results/kernels/spmm.csv`` and ``results/kernels/spmm.md``.
 """
 import argparse
-import csv
 import os
 import platform
 import statistics
@@ -25,6 +24,7 @@ if str(ROOT) not in sys.path:
 import dgl  # noqa: E402
 import torch  # noqa: E402
 
+from bench.csvfile import write_csv  # noqa: E402
 from granii import kernels  # noqa: E402
 from granii.graph import graph_info  # noqa: E402
 
@@ -175,10 +175,7 @@ def main(argv=None):
                     print(f"{name} {primitive} [{variant}] {mode} k={k}: {ms}", flush=True)
     elapsed = time.perf_counter() - t0
 
-    with open(args.out / "spmm.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out / "spmm.csv", rows)
     header = (f"# SpMM kernels: median milliseconds per call\n\n"
               f"torch {torch.__version__}, dgl {dgl.__version__}, {platform.processor() or platform.machine()}, "
               f"{torch.get_num_threads()} threads; 1-minute load average {load[0]:.2f} at start, "

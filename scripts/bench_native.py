@@ -26,7 +26,6 @@ Usage: ``python -m scripts.bench_native [--quick]``; writes ``results/kernels/na
 ``native_blocks.csv``, ``native.md`` and ``native.png``.
 """
 import argparse
-import csv
 import os
 import platform
 import statistics
@@ -42,6 +41,7 @@ if str(ROOT) not in sys.path:
 import dgl  # noqa: E402
 import torch  # noqa: E402
 
+from bench.csvfile import write_csv  # noqa: E402
 from granii import kernels  # noqa: E402
 from granii.datasets import load_graph  # noqa: E402
 from granii.graph import graph_info, GraphInfo  # noqa: E402
@@ -234,13 +234,6 @@ def bench_blocks(g, name, ks, threads, rounds, rows, batch=1024, fanouts=(10, 10
 
 
 # -- report ---------------------------------------------------------------------------------------
-def write_csv(rows, path):
-    if not rows:
-        return
-    with open(path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
 
 
 def _geomean(v):
@@ -389,8 +382,8 @@ def main(argv=None):
               + f" at the start, {copy_end:.1f} GB/s at the end. `python -m scripts.bench_native"
               f"{' --quick' if args.quick else ''}`.")
     suffix = "_quick" if args.quick else ""
-    write_csv(rows, out / f"native{suffix}.csv")
-    write_csv(block_rows, out / f"native_blocks{suffix}.csv")
+    write_csv(out / f"native{suffix}.csv", rows)
+    write_csv(out / f"native_blocks{suffix}.csv", block_rows)
     write_markdown(rows, block_rows, out / f"native{suffix}.md", header)
     plot(rows, out / f"native{suffix}.png")
     progress(f"wrote {out}/native{suffix}.{{csv,md,png}} in {elapsed / 60:.1f} minutes")

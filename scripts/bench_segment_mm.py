@@ -13,7 +13,6 @@ the four in turn; medians), at each thread count. ``typed`` is what ``typed.segm
 and ``typed.segment_weight_grad`` route to. Writes ``segment_mm.csv`` and ``segment_mm.md``.
 """
 import argparse
-import csv
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.csvfile import write_csv  # noqa: E402
 from granii import hetero, hetero_graphs  # noqa: E402
 from granii.kernels import typed  # noqa: E402
 from profiler.timing import side_by_side  # noqa: E402
@@ -78,10 +78,7 @@ def measure(threads):
 
 def write(rows, out):
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "segment_mm.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "segment_mm.csv", rows)
     lines = [
         "# Typed product: granii::segment_mm vs DGL's segment_mm",
         "",

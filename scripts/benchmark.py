@@ -27,7 +27,6 @@ is still available as the parts ``sweep``, ``overhead``, ``memory`` and ``e2e``;
 ``sweep.md`` beside the report.
 """
 import argparse
-import csv
 import json
 import os
 import platform
@@ -52,6 +51,7 @@ from tqdm import tqdm  # noqa: E402
 with warnings.catch_warnings(record=True) as IMPORT_WARNINGS:     # what granii said at import
     warnings.simplefilter("always")
     from bench import examples, fullbatch, inputs, minibatch, single, summary  # noqa: E402
+    from bench.csvfile import write_csv  # noqa: E402
     from bench.restrict import WithoutNative  # noqa: E402
 
 PARTS = ("models", "minibatch", "layers")
@@ -109,16 +109,6 @@ def machine_info(cost_model, command):
             "commit": commit, "cost_model": getattr(cost_model, "name", type(cost_model).__name__),
             "native": native_status(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "load_start": round(os.getloadavg()[0], 2), "command": command}
-
-
-def write_csv(path, rows):
-    if not rows:
-        return
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
 
 
 # rough seconds per configuration on this machine under load, for the progress bar

@@ -32,7 +32,6 @@ with hand-set rates) and writes the regret tables ``selection_<threads>t.md``. U
 --transfer-from costmodels/<id> ...``.
 """
 import argparse
-import csv
 import inspect
 import itertools
 import math
@@ -49,6 +48,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.csvfile import write_csv  # noqa: E402
 from granii.dispatch import every_plan, leaf_vals_order, new_state, prepare  # noqa: E402
 from granii.costmodel import PRICED_AS, AnalyticalCost  # noqa: E402
 from granii.datasets import GRAPHS, load_graph  # noqa: E402
@@ -281,15 +281,6 @@ def _label(call, key):
 # -- report ----------------------------------------------------------------------------------------
 def _f(x, fmt):
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-
-
-def write_csv(path, rows):
-    if not rows:
-        return
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def plot_predictions(rows, models, path):

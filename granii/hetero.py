@@ -808,11 +808,16 @@ class HeteroState:
         self.trial = None           # the container's measured tie-break while it runs
         self.kept = None            # ROUTED or ORIGINAL once it is settled
         self.tuned = None           # [(label, median seconds)] of that tie-break
+        self.flat_reason = None     # why the relations last ran one by one (hetero_flat)
+        self.flat_info = {}         # destination type -> its typed product's decision
+        self.flat_calls = 0         # calls that ran as typed products
 
     def explain(self, p):
         p(f"== layer '{self.name}' ({type(self.module).__name__}) " + "=" * 40)
         if self.fallback:
             p(f"  last call ran the original forward: {self.fallback}")
+        from . import hetero_flat
+        hetero_flat.explain(self, p)
         for cet, how in self.routes.items():
             p(f"  relation {cet}: {how}")
         if not self.routes and not self.fallback:
@@ -857,6 +862,7 @@ def _rel_graphs(state, g):
 
 
 ROUTED = "relations routed"
+FLAT = "typed products"    # hetero_flat: the relations into each destination type at once
 ROUTED_WARMUP = 12     # routed calls before the container's tie-break: each relation's own
                        # tie-break (at most 3 candidates x 4 calls) has settled by then
 
@@ -873,17 +879,20 @@ def hetero_call(state, options, layer, g, inputs, mod_args, mod_kwargs):
         return hetero_dispatch(*args, dgl_only=True)
     tune = (options.tune and options.expected_calls > 1
             and not torch.are_deterministic_algorithms_enabled())
-    if state.kept == ROUTED or not tune or state.routed_calls < ROUTED_WARMUP:
+    # typed products decide on their first call: the tie-break can start on the next one
+    warmup = 1 if state.flat_calls else ROUTED_WARMUP
+    if state.kept in (ROUTED, FLAT) or not tune or state.routed_calls < warmup:
         state.routed_calls += 1
-        return hetero_dispatch(*args)
-    trial = state.trial = state.trial or Trial([(ROUTED, None, None), (ORIGINAL, None, None)])
+        return hetero_dispatch(*args, tune=tune)
+    routed = FLAT if state.flat_calls else ROUTED
+    trial = state.trial = state.trial or Trial([(routed, None, None), (ORIGINAL, None, None)])
     trial.collect()
     label = trial.next()[0]
     # on sampled blocks each call has a block of its own: times per unit of its size
     scale = float(max(g.num_edges() + g.num_src_nodes() + g.num_dst_nodes(), 1)
                   if g.is_block else 1)
     t0 = time.perf_counter()
-    out = hetero_dispatch(*args, dgl_only=label == ORIGINAL)
+    out = hetero_dispatch(*args, dgl_only=label == ORIGINAL, tune=tune)
     seconds = (time.perf_counter() - t0) / scale
     clock = _DictClock.of(out, layer, inputs, scale)
     if clock is None:
@@ -925,9 +934,10 @@ class _DictClock(BackwardClock):
             self.start = time.perf_counter()
 
 
-def hetero_dispatch(state, layer, g, inputs, mod_args, mod_kwargs, dgl_only=False):
-    """The routed call (``dgl_only``: DGL's forward, each module's own ``forward`` on the
-    relation graph and the (source, destination) pair)."""
+def hetero_dispatch(state, layer, g, inputs, mod_args, mod_kwargs, dgl_only=False, tune=False):
+    """The routed call: one typed product per destination type (``hetero_flat``) where the
+    relations allow it, else relation by relation (``dgl_only``: DGL's forward, each module's
+    own ``forward`` on the relation graph and the (source, destination) pair)."""
     from dgl.nn.pytorch import HeteroGraphConv
     if type(layer).forward is not HeteroGraphConv.forward:
         state.fallback = "a subclass of HeteroGraphConv with its own forward"
@@ -943,9 +953,18 @@ def hetero_dispatch(state, layer, g, inputs, mod_args, mod_kwargs, dgl_only=Fals
             inputs, {k: v[: g.number_of_dst_nodes(k)] for k, v in inputs.items()})
     else:
         src_inputs = dst_inputs = inputs
+        if any(s in inputs and d not in inputs for s, _, d in g.canonical_etypes):
+            state.fallback = "no features for a destination type (DGL's forward raises)"
+            return _hetero_original(layer, g, inputs, mod_args, mod_kwargs)
     # relation graphs live as long as g (a backward reads their per-graph structures), and are
     # built once per graph
     cache = _rel_graphs(state, g)
+    if not dgl_only:
+        from . import hetero_flat
+        out = hetero_flat.flat_call(state, layer, g, src_inputs, dst_inputs, mod_args,
+                                    mod_kwargs, cache, tune)
+        if out is not None:
+            return out
     for cet in g.canonical_etypes:
         stype, etype, dtype = cet
         if stype not in src_inputs or (g.is_block or pair) and dtype not in dst_inputs:

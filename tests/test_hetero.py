@@ -444,8 +444,14 @@ def test_hetero_graphconv(kind, agg):
     compare_hetero(model, ref, g, x)
     compare_hetero(model, ref, g, x, calls=1, train=False)
     text = granii.explain(model, file=open("/dev/null", "w"))
-    assert "one tensor on the relation graph" in text
-    assert ("source features on a block" if kind == "gcn" else "cat(x_dst, x_src)") in text
+    if kind == "gcn" and agg in ("sum", "mean"):       # the relations stacked: hetero_flat
+        assert "one typed product with the 2 relation(s) into 'user'" in text
+        assert "relations run one by one" not in text
+    else:
+        assert "one tensor on the relation graph" in text
+        assert ("source features on a block" if kind == "gcn" else "cat(x_dst, x_src)") in text
+    if kind == "gcn" and agg in ("max", "stack"):
+        assert "relations run one by one: an aggregation across relations other than" in text
 
 
 
@@ -525,6 +531,235 @@ def test_hetero_falls_back_where_pair_needed():
             assert_close(out[k], want[k], f"{k}")
     text = granii.explain(model, file=open("/dev/null", "w"))
     assert "separate weights" in text and "dropout in training" in text
+
+
+# -- HeteroGraphConv of GraphConv: one typed product per destination type ---------------------------------
+from granii import hetero_flat  # noqa: E402
+from granii.dispatch import ORIGINAL, TRIAL_ROUNDS, dispatcher_of  # noqa: E402
+
+
+class RGCNHetero(torch.nn.Module):
+    """DGL's rgcn-hetero example layer: GraphConv(norm="right", weight=False, bias=False) per
+    relation, the weights passed per call (``mod_kwargs``), from bases when ``bases``."""
+
+    def __init__(self, rels, k_in, k_out, bases=0, agg="sum"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rels = list(rels)
+        self.conv = HeteroGraphConv({r: GraphConv(k_in, k_out, norm="right", weight=False,
+                                                  bias=False) for r in self.rels}, aggregate=agg)
+        if bases:
+            self.basis = dgl.nn.WeightBasis((k_in, k_out), bases, len(self.rels))
+        else:
+            self.weight = torch.nn.Parameter(torch.randn(len(self.rels), k_in, k_out) * 0.3)
+        self.loop = torch.nn.Linear(k_in, k_out)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, g, x):
+        w = self.basis() if hasattr(self, "basis") else self.weight
+        wdict = {r: {"weight": wr.squeeze(0)} for r, wr in zip(self.rels, torch.split(w, 1))}
+        dst = {k: v[: g.num_dst_nodes(k)] for k, v in x.items()} if g.is_block else x
+        hs = self.conv(g, x, mod_kwargs=wdict)
+        return {t: self.drop(torch.relu(h + self.loop(dst[t]))) for t, h in hs.items()}
+
+
+def hetero_rels(rels, seed=0, n=40):
+    """A heterograph with ``rels`` relations over three node types: one relation holding most
+    edges, one empty, destination nodes without in-edges, an isolated node type."""
+    gen = torch.Generator().manual_seed(seed)
+    types = ["a", "b", "c"]
+    data = {}
+    for i in range(rels):
+        s, d = types[i % 3], types[(i // 3) % 3]
+        m = 0 if i == 1 else (400 if i == 0 else 30)
+        data[(s, f"r{i}", d)] = (torch.randint(0, n, (m,), generator=gen),
+                                 torch.randint(0, n - 8, (m,), generator=gen))
+    return dgl.heterograph(data, num_nodes_dict={"a": n, "b": n, "c": n, "lonely": 5})
+
+
+def typed_inputs(g, k, requires_grad=True, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    return {t: torch.randn(g.num_src_nodes(t), k, generator=gen).requires_grad_(requires_grad)
+            for t in g.srctypes}
+
+
+def compare_models(model, ref, g, x, calls=3, train=True):
+    """Outputs, parameter and input gradients of ``model`` and ``ref`` over several calls under
+    the same seed (dropout draws the same masks)."""
+    for m in (model, ref):
+        m.train(train)
+    for i in range(calls):
+        got = []
+        for m in (ref, model):
+            m.zero_grad()
+            for t in x.values():
+                t.grad = None
+            torch.manual_seed(100 + i)
+            out = m(g, x)
+            if train:
+                sum((o * torch.randn(o.shape, generator=torch.Generator().manual_seed(j))).sum()
+                    for j, o in enumerate(out[k] for k in sorted(out))).backward()
+            got.append((out, {n: p.grad for n, p in m.named_parameters() if p.grad is not None},
+                        {t: v.grad for t, v in x.items() if v.grad is not None}))
+        (o_ref, g_ref, x_ref), (o, g_got, x_got) = got
+        assert sorted(o) == sorted(o_ref)
+        for k in o_ref:
+            assert_close(o[k], o_ref[k], f"call {i}: output {k}")
+        assert sorted(g_got) == sorted(g_ref) and sorted(x_got) == sorted(x_ref)
+        for n in g_ref:
+            assert_close(g_got[n], g_ref[n], f"call {i}: gradient of {n}", RTOL_GRAD)
+        for t in x_ref:
+            assert_close(x_got[t], x_ref[t], f"call {i}: gradient of input {t}", RTOL_GRAD)
+
+
+@pytest.mark.parametrize("bases", [0, 3])
+@pytest.mark.parametrize("agg", ["sum", "mean"])
+def test_rgcn_hetero_example_runs_typed_products(bases, agg):
+    g = hetero_rels(12)
+    model = RGCNHetero(g.etypes, 8, 6, bases, agg)
+    ref = copy.deepcopy(model)
+    x = typed_inputs(g, 8)
+    granii(model, g, x)
+    state = dispatcher_of(model.conv).state
+    compare_models(model, ref, g, x, calls=1)
+    assert state.flat_calls >= 1 and state.flat_reason is None
+    assert set(state.flat_info) == {"a", "b", "c"}
+    # the container's tie-break starts on the next call: typed products against DGL's forward
+    compare_models(model, ref, g, x, calls=2 * (TRIAL_ROUNDS + 1) + 1)
+    assert state.kept in (hetero.FLAT, ORIGINAL)
+    assert sorted(lb for lb, _ in state.tuned) == sorted([hetero.FLAT, ORIGINAL])
+    text = granii.explain(model, file=open("/dev/null", "w"))
+    assert "into 'a': 6 relation(s) stacked" in text and "<- chosen" in text
+    for kept in (hetero.FLAT, ORIGINAL):
+        state.kept = kept
+        compare_models(model, ref, g, x, calls=2)
+        compare_models(model, ref, g, x, calls=2, train=False)
+
+
+@pytest.mark.parametrize("plan", hetero.plans_for(None)[0], ids=hetero.plan_name)
+@pytest.mark.parametrize("train", [True, False])
+def test_every_typed_plan_gives_dgl(monkeypatch, plan, train):
+    """Each composition, forced, with norms of every kind, module weights and biases."""
+    monkeypatch.setattr(hetero_flat, "decide", lambda *a, **k: (plan, [(plan, 0.0)], None))
+    g = hetero_rels(9, seed=1)
+    norms = ["none", "right", "left", "both"]
+    torch.manual_seed(0)
+    model = HeteroGraphConv({r: GraphConv(8, 5, norm=norms[i % 4], bias=i % 2 == 0)
+                             for i, r in enumerate(g.etypes)})
+    ref = copy.deepcopy(model)
+    x = typed_inputs(g, 8)
+    granii(model, g, x)
+    compare_models(model, ref, g, x, calls=2, train=train)
+    assert dispatcher_of(model).state.flat_calls >= 2
+
+
+def test_typed_products_without_weights():
+    g = hetero_rels(6, seed=2)
+    torch.manual_seed(0)
+    model = HeteroGraphConv({r: GraphConv(8, 8, norm="both", weight=False) for r in g.etypes},
+                            aggregate="mean")
+    ref = copy.deepcopy(model)
+    x = typed_inputs(g, 8)
+    granii(model, g, x)
+    compare_models(model, ref, g, x)
+    assert dispatcher_of(model).state.flat_calls >= 3
+
+
+def test_typed_products_on_hetero_blocks():
+    g = hetero_rels(9, seed=3)
+    model = RGCNHetero(g.etypes, 8, 6)
+    ref = copy.deepcopy(model)
+    sampler = dgl.dataloading.NeighborSampler([4])
+    feats = typed_inputs(g, 8, requires_grad=False)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        _, _, (b,) = sampler.sample_blocks(g, {"a": torch.arange(0, 30, 2),
+                                               "c": torch.arange(0, 20, 3)})
+        x = {t: feats[t][b.srcnodes[t].data[dgl.NID]].clone().requires_grad_()
+             for t in b.srctypes}
+        if seed == 0:
+            granii(model, b, x)
+        compare_models(model, ref, b, x, calls=1)
+    assert dispatcher_of(model.conv).state.flat_calls >= 3
+
+
+def test_kernel_calls_of_typed_products_do_not_grow_with_relations(monkeypatch):
+    """From 12 to 120 relations each composition makes the same number of sparse and typed
+    kernel calls (at most 3 per destination type), and no relation's module runs."""
+    counted = []
+    for name in ("move", "segment_gemm"):
+        f = getattr(typed, name)
+        monkeypatch.setattr(typed, name,
+                            lambda *a, _f=f, _n=name, **k: (counted.append(_n), _f(*a, **k))[1])
+    per_size = []
+    for rels in (12, 120):
+        g = hetero_rels(rels, seed=4)
+        per_plan = []
+        for plan in hetero.plans_for(None)[0]:
+            monkeypatch.setattr(hetero_flat, "decide", lambda *a, p=plan, **k: (p, [], None))
+            model = RGCNHetero(g.etypes, 8, 6)
+            x = typed_inputs(g, 8)
+            granii(model, g, x, deterministic=True)   # no timed tie-break: one path each call
+            ran = []
+            for m in model.conv.mods.values():
+                m.register_forward_pre_hook(lambda *a: ran.append(1))
+            counted.clear()
+            model(g, x)
+            assert not ran
+            per_plan.append(len(counted))
+        per_size.append(per_plan)
+    assert per_size[0] == per_size[1] and max(per_size[0]) <= 3 * 3
+
+
+@pytest.mark.parametrize("what", ["activation", "edge_weight", "some_weights"])
+def test_typed_products_fall_back_with_reason(what):
+    g = hetero_rels(6, seed=5)
+    torch.manual_seed(0)
+    act = torch.relu if what == "activation" else None
+    mods = {r: GraphConv(8, 8, activation=act, weight=not (what == "some_weights" and i == 0))
+            for i, r in enumerate(g.etypes)}
+    model = HeteroGraphConv(mods)
+    ref = copy.deepcopy(model)
+    x = typed_inputs(g, 8)
+    kw = {}
+    if what == "edge_weight":
+        kw = {"mod_kwargs": {r: {"edge_weight": torch.rand(g.num_edges(r))} for r in g.etypes}}
+    granii(model, g, x)
+    state = dispatcher_of(model).state
+    before = state.flat_calls
+    for _ in range(2):
+        out, want = model(g, x, **kw), ref(g, x, **kw)
+        for k in want:
+            assert_close(out[k], want[k], k)
+    assert state.flat_calls == before
+    reason = {"activation": "an activation inside", "edge_weight": "keyword arguments",
+              "some_weights": "weights on some relations only"}[what]
+    assert reason in granii.explain(model, file=open("/dev/null", "w"))
+
+
+def test_relations_of_different_widths_raise_as_dgl():
+    g = hetero_rels(6, seed=5)
+    mods = {r: GraphConv(8, 4) for r in g.etypes}
+    mods[g.etypes[0]] = GraphConv(8, 8, weight=False)
+    model = HeteroGraphConv(mods)
+    x = typed_inputs(g, 8)
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        copy.deepcopy(model)(g, x)
+    with pytest.raises(RuntimeError, match="left unchanged: stack expects each tensor"):
+        granii(model, g, x)
+
+
+def test_missing_destination_features_raise_as_dgl():
+    g = hetero_rels(6, seed=6)
+    model = HeteroGraphConv({r: GraphConv(8, 4) for r in g.etypes})
+    ref = copy.deepcopy(model)
+    x = typed_inputs(g, 8)
+    granii(model, g, x)
+    del x["b"]
+    with pytest.raises(KeyError):
+        ref(g, x)
+    with pytest.raises(KeyError):
+        model(g, x)
 
 
 # -- HGTConv ---------------------------------------------------------------------------------------------

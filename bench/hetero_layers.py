@@ -11,6 +11,13 @@ are featureless: RGCN-style models learn them).
   2 heads x 8 and 4 heads x 16, no dropout.
 * ``HeteroGraphConv({relation: GATConv(k, k / 4, 4 heads)}, aggregate="sum")`` on the
   heterograph itself, node features per node type (RGAT as DGL users write it), k = 32.
+* ``HeteroGraphConv({relation: GraphConv(k, k, norm="right", weight=False, bias=False)})`` with
+  one weight per relation passed at each call (``mod_kwargs``), as DGL's ``rgcn-hetero`` example
+  writes its RGCN layer; k = 16 and 64, also on the BGS-sized graph (``--rgcn-datasets``).
+
+``kernel calls``: sparse, dense and typed products (``aten::mm``/``addmm``/``bmm``, DGL's
+``GSpMM``/``GSDDMM``/segment and gather products, granii's native operators) in one inference
+call, counted by ``torch.profiler``: what grows with the number of relations.
 
 Modes: ``infer`` (no gradients, a new feature tensor at every call) and ``train`` (forward and
 backward of ``(out * R).sum()``; gradients to the features and the weights). DGL's layer and
@@ -30,7 +37,7 @@ from pathlib import Path
 
 import dgl
 import torch
-from dgl.nn import GATConv, HeteroGraphConv, HGTConv
+from dgl.nn import GATConv, GraphConv, HeteroGraphConv, HGTConv
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -61,23 +68,62 @@ class RGAT(torch.nn.Module):
         return self.conv(g, x)
 
 
-def cases(name):
+class RGCNHetero(torch.nn.Module):
+    """The relational layer of DGL's rgcn-hetero example, without its self-loop and
+    activation: a GraphConv per relation, the relation's weight passed at each call."""
+
+    def __init__(self, relations, k_in, k_out):
+        super().__init__()
+        self.rels = list(relations)
+        self.conv = HeteroGraphConv({r: GraphConv(k_in, k_out, norm="right", weight=False,
+                                                  bias=False) for r in self.rels})
+        self.weight = torch.nn.Parameter(torch.empty(len(self.rels), k_in, k_out))
+        torch.nn.init.xavier_uniform_(self.weight)
+
+    def forward(self, g, x):
+        w = {r: {"weight": wr.squeeze(0)} for r, wr in zip(self.rels, torch.split(self.weight, 1))}
+        return self.conv(g, x, mod_kwargs=w)
+
+
+KERNELS = ("aten::mm", "aten::addmm", "aten::bmm", "GSpMM", "GSDDMM", "SegmentMM", "GatherMM",
+           "GatherMMScatter", "granii::")
+
+
+def kernel_calls(model, g, x, extra):
+    """Sparse, dense and typed product calls in one inference call (see the module doc)."""
+    from torch.profiler import profile
+    with torch.no_grad(), profile() as prof:
+        model(g, _fresh(x, False), *extra)
+    return sum(1 for ev in prof.events() if ev.name.startswith(KERNELS))
+
+
+LAYERS = ("HGTConv", "HeteroGraphConv(GATConv)", "HeteroGraphConv(GraphConv)")
+
+
+def cases(name, layers=LAYERS):
     """``(layer label, size, model, graph, features, extra args)`` for one generated graph."""
     hg = hetero_graphs.generate(name)
-    g = dgl.to_homogeneous(hg)
-    nt, et = g.ndata[dgl.NTYPE].long(), g.edata[dgl.ETYPE].long()
-    g = dgl.graph(g.edges(order="eid"), num_nodes=g.num_nodes())
-    for heads, size in ((2, 8), (4, 16)):
+    if "HGTConv" in layers:
+        g = dgl.to_homogeneous(hg)
+        nt, et = g.ndata[dgl.NTYPE].long(), g.edata[dgl.ETYPE].long()
+        g = dgl.graph(g.edges(order="eid"), num_nodes=g.num_nodes())
+        for heads, size in ((2, 8), (4, 16)):
+            torch.manual_seed(0)
+            layer = HGTConv(heads * size, size, heads, len(hg.ntypes), len(hg.canonical_etypes),
+                            dropout=0.0)
+            x = torch.randn(g.num_nodes(), heads * size)
+            yield "HGTConv", f"{heads} heads x {size}", layer, g, x, (nt, et)
+    if "HeteroGraphConv(GATConv)" in layers:
+        k = 32
         torch.manual_seed(0)
-        layer = HGTConv(heads * size, size, heads, len(hg.ntypes), len(hg.canonical_etypes),
-                        dropout=0.0)
-        x = torch.randn(g.num_nodes(), heads * size)
-        yield "HGTConv", f"{heads} heads x {size}", layer, g, x, (nt, et)
-    k = 32
-    torch.manual_seed(0)
-    model = RGAT(hg.etypes, k)
-    x = {t: torch.randn(hg.num_nodes(t), k) for t in hg.ntypes}
-    yield "HeteroGraphConv(GATConv)", f"k={k}, 4 heads", model, hg, x, ()
+        model = RGAT(hg.etypes, k)
+        x = {t: torch.randn(hg.num_nodes(t), k) for t in hg.ntypes}
+        yield "HeteroGraphConv(GATConv)", f"k={k}, 4 heads", model, hg, x, ()
+    if "HeteroGraphConv(GraphConv)" in layers:
+        for k in (16, 64):
+            torch.manual_seed(0)
+            x = {t: torch.randn(hg.num_nodes(t), k) for t in hg.ntypes}
+            yield "HeteroGraphConv(GraphConv)", f"k={k}", RGCNHetero(hg.etypes, k, k), hg, x, ()
 
 
 def _fresh(x, grad):
@@ -106,9 +152,9 @@ def step(model, g, x, extra, train):
     return f
 
 
-def measure(name, log, budget):
+def measure(name, log, budget, layers=None):
     rows = []
-    for label, size, model, g, x, extra in cases(name):
+    for label, size, model, g, x, extra in cases(name, layers or LAYERS):
         for mode in ("infer", "train"):
             train = mode == "train"
             ref = copy.deepcopy(model).train(train)
@@ -128,6 +174,7 @@ def measure(name, log, budget):
                 err = _rel_err(opt(g, _fresh(x, False), *extra), ref(g, _fresh(x, False), *extra))
             for _ in range(SETTLE):         # the measured tie-breaks settle before timing
                 step(opt, g, x, extra, train)()
+            calls = (kernel_calls(ref, g, x, extra), kernel_calls(opt, g, x, extra))
             t = side_by_side({"dgl": step(ref, g, x, extra, train),
                               "granii": step(opt, g, x, extra, train)},
                              warmup=3, repeat=9, budget=budget)
@@ -136,7 +183,9 @@ def measure(name, log, budget):
                        granii_ms=t["granii"][0] * 1e3,
                        speedup=t["dgl"][0] / t["granii"][0], rounds=len(t["dgl"][1]),
                        first_dgl_ms=first_dgl * 1e3, first_granii_ms=first_granii * 1e3,
-                       max_rel_err=err, plans=_plans(opt))
+                       max_rel_err=err, relations=len(getattr(g, "canonical_etypes", ())),
+                       dgl_kernel_calls=calls[0], granii_kernel_calls=calls[1],
+                       plans=_plans(opt))
             log(f"  {name} {label} {size} {mode}: DGL {row['dgl_ms']:.1f} ms, granii "
                 f"{row['granii_ms']:.1f} ms ({row['speedup']:.2f}x), err {err:.1e}")
             rows.append(row)
@@ -152,7 +201,7 @@ def _plans(model):
 def write(rows, out, runs):
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "layers.csv", rows)
-    lines = ["# HGT and RGAT-style layers: DGL vs granii", "",
+    lines = ["# Heterogeneous layers (HGT, RGAT-style, RGCN-style): DGL vs granii", "",
              "Graphs **generated with the published statistics** of the RGCN benchmarks "
              "(`granii/hetero_graphs.py`), not the real datasets; random node features. "
              "`python -m bench.hetero_layers`; 2 torch threads; medians of interleaved rounds "
@@ -160,12 +209,14 @@ def write(rows, out, runs):
              "First call: `granii(...)` + its first call vs DGL's first call, each on a fresh "
              "copy of the graph.", "", f"Run: {runs}", "",
              "| graph | layer | size | mode | DGL | granii | speedup | first call granii / DGL "
-             "| max rel err |", "|---|---|---|---|---|---|---|---|---|"]
+             "| kernel calls DGL / granii | max rel err |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['graph']} (N={r['nodes']}, E={r['edges']}) | {r['layer']} | "
-                     f"{r['size']} | {r['mode']} | {r['dgl_ms']:.2f} | {r['granii_ms']:.2f} | "
-                     f"**{r['speedup']:.2f}x** | {r['first_granii_ms']:.0f} / "
-                     f"{r['first_dgl_ms']:.0f} | {r['max_rel_err']:.1e} |")
+        lines.append(f"| {r['graph']} (N={r['nodes']}, E={r['edges']}, R={r['relations']}) | "
+                     f"{r['layer']} | {r['size']} | {r['mode']} | {r['dgl_ms']:.2f} | "
+                     f"{r['granii_ms']:.2f} | **{r['speedup']:.2f}x** | "
+                     f"{r['first_granii_ms']:.0f} / {r['first_dgl_ms']:.0f} | "
+                     f"{r['dgl_kernel_calls']} / {r['granii_kernel_calls']} | "
+                     f"{r['max_rel_err']:.1e} |")
     for layer in sorted({r["layer"] for r in rows}):
         s = [r["speedup"] for r in rows if r["layer"] == layer]
         geo = torch.tensor(s).log().mean().exp().item()
@@ -177,6 +228,8 @@ def write(rows, out, runs):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--datasets", default="aifb,mutag")
+    ap.add_argument("--rgcn-datasets", default="bgs",
+                    help="further graphs for the RGCN-style layer only (HGT there takes minutes)")
     ap.add_argument("--budget", type=float, default=6.0, help="seconds per configuration")
     ap.add_argument("--out", default=str(ROOT / "results" / "hetero"))
     a = ap.parse_args(argv)
@@ -185,7 +238,11 @@ def main(argv=None):
     rows = []
     for name in a.datasets.split(","):
         rows += measure(name, lambda s: print(s, flush=True), a.budget)
-    runs = (f"{a.datasets}: {(time.time() - start) / 60:.1f} min, 1-minute load average "
+    for name in filter(None, a.rgcn_datasets.split(",")):
+        rows += measure(name, lambda s: print(s, flush=True), a.budget,
+                        ("HeteroGraphConv(GraphConv)",))
+    runs = (f"{a.datasets} (+ {a.rgcn_datasets or 'none'} for HeteroGraphConv(GraphConv)): "
+            f"{(time.time() - start) / 60:.1f} min, 1-minute load average "
             f"{load0:.2f} -> {os.getloadavg()[0]:.2f}")
     write(rows, Path(a.out), runs)
 

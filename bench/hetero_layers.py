@@ -11,6 +11,7 @@ are featureless: RGCN-style models learn them).
   2 heads x 8 and 4 heads x 16, no dropout.
 * ``HeteroGraphConv({relation: GATConv(k, k / 4, 4 heads)}, aggregate="sum")`` on the
   heterograph itself, node features per node type (RGAT as DGL users write it), k = 32.
+* ``HeteroGraphConv({relation: SAGEConv(k, k, "mean")}, aggregate="sum")``, k = 32.
 * ``HeteroGraphConv({relation: GraphConv(k, k, norm="right", weight=False, bias=False)})`` with
   one weight per relation passed at each call (``mod_kwargs``), as DGL's ``rgcn-hetero`` example
   writes its RGCN layer; k = 16 and 64, also on the BGS-sized graph (``--rgcn-datasets``).
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import dgl
 import torch
-from dgl.nn import GATConv, GraphConv, HeteroGraphConv, HGTConv
+from dgl.nn import GATConv, GraphConv, HeteroGraphConv, HGTConv, SAGEConv
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -97,7 +98,8 @@ def kernel_calls(model, g, x, extra):
     return sum(1 for ev in prof.events() if ev.name.startswith(KERNELS))
 
 
-LAYERS = ("HGTConv", "HeteroGraphConv(GATConv)", "HeteroGraphConv(GraphConv)")
+LAYERS = ("HGTConv", "HeteroGraphConv(GATConv)", "HeteroGraphConv(SAGEConv)",
+          "HeteroGraphConv(GraphConv)")
 
 
 def cases(name, layers=LAYERS):
@@ -119,6 +121,12 @@ def cases(name, layers=LAYERS):
         model = RGAT(hg.etypes, k)
         x = {t: torch.randn(hg.num_nodes(t), k) for t in hg.ntypes}
         yield "HeteroGraphConv(GATConv)", f"k={k}, 4 heads", model, hg, x, ()
+    if "HeteroGraphConv(SAGEConv)" in layers:
+        k = 32
+        torch.manual_seed(0)
+        model = HeteroGraphConv({r: SAGEConv(k, k, "mean") for r in hg.etypes}, aggregate="sum")
+        x = {t: torch.randn(hg.num_nodes(t), k) for t in hg.ntypes}
+        yield "HeteroGraphConv(SAGEConv)", f"k={k}, mean", model, hg, x, ()
     if "HeteroGraphConv(GraphConv)" in layers:
         for k in (16, 64):
             torch.manual_seed(0)
@@ -229,7 +237,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--datasets", default="aifb,mutag")
     ap.add_argument("--rgcn-datasets", default="bgs",
-                    help="further graphs for the RGCN-style layer only (HGT there takes minutes)")
+                    help="further graphs for the SAGE and RGCN-style layers only (HGT and GAT "
+                         "there take minutes)")
     ap.add_argument("--budget", type=float, default=6.0, help="seconds per configuration")
     ap.add_argument("--out", default=str(ROOT / "results" / "hetero"))
     a = ap.parse_args(argv)
@@ -240,8 +249,8 @@ def main(argv=None):
         rows += measure(name, lambda s: print(s, flush=True), a.budget)
     for name in filter(None, a.rgcn_datasets.split(",")):
         rows += measure(name, lambda s: print(s, flush=True), a.budget,
-                        ("HeteroGraphConv(GraphConv)",))
-    runs = (f"{a.datasets} (+ {a.rgcn_datasets or 'none'} for HeteroGraphConv(GraphConv)): "
+                        ("HeteroGraphConv(SAGEConv)", "HeteroGraphConv(GraphConv)"))
+    runs = (f"{a.datasets} (+ {a.rgcn_datasets or 'none'} for the SAGE and GraphConv containers): "
             f"{(time.time() - start) / 60:.1f} min, 1-minute load average "
             f"{load0:.2f} -> {os.getloadavg()[0]:.2f}")
     write(rows, Path(a.out), runs)

@@ -1,4 +1,5 @@
-"""``HeteroGraphConv`` of ``GraphConv`` relations as one typed product per destination type.
+"""``HeteroGraphConv`` of ``GraphConv`` (and mean ``SAGEConv``) relations as one typed product
+per destination type.
 
 DGL's relational GCN over a heterograph (its ``rgcn-hetero`` example, and the tutorial's RGCN)
 is a ``HeteroGraphConv`` with one ``GraphConv`` per relation, the weights passed per relation
@@ -25,9 +26,13 @@ pair after aggregating at ``k_in``, or every node under every relation), priced 
 (without weights: one weighted SpMM). The stacked graph, its edge values and its index are built
 once per graph.
 
+A ``SAGEConv`` relation with the mean aggregator is the same product with ``norm="right"`` and
+``W_r`` its ``fc_neigh``, plus ``X_d W_self,r + b_r``: summed over the relations, one GEMM of the
+destination features with ``sum_r W_self,r``.
+
 What takes the relation-by-relation route instead, with the reason in ``explain``: modules other
-than ``GraphConv`` (or a subclass with its own ``forward``), an activation, an ``edge_weight`` or
-positional arguments, sizes that differ between relations, weights on some relations only,
+than ``GraphConv`` and mean ``SAGEConv`` (or subclasses), an activation or normalisation inside a
+relation's module, feature dropout in training, an ``edge_weight`` or positional arguments, sizes that differ between relations, weights on some relations only,
 ``max``/``min``/``stack``/custom aggregation, features that are not float32 CPU matrices of the
 sources' row counts.
 """
@@ -72,67 +77,85 @@ def _aggregation(layer):
     return None
 
 
-def _relation_weight(mod, margs, mkw):
-    """``(weight or None, reason or None)`` of a GraphConv relation called with ``margs``,
-    ``mkw``."""
+def _matrix_of(x, rows):
+    return (isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype == torch.float32
+            and not x.is_cuda and x.shape[0] == rows)
+
+
+def relation_terms(mod, margs, mkw):
+    """``(terms, reason)``: the relation's module as ``{"W": W_r or None, "norm": ...,
+    "self": W_self or None, "bias": b_r or None}`` (``Y_r = D^-a A_r D^-b X_s W_r + X_d W_self
+    + b_r``), or why it is not that."""
+    from dgl.nn.pytorch import GraphConv, SAGEConv
     if margs:
         return None, "positional arguments to the relation's module"
-    extra = set(mkw) - {"weight"}
+    allowed = {"weight"} if type(mod) is GraphConv else set()
+    extra = set(mkw) - allowed
     if extra:
         return None, f"keyword arguments {sorted(extra)} to the relation's module"
-    w = mkw.get("weight")
-    if w is not None and mod.weight is not None:
-        return None, "a weight passed to a GraphConv that has its own (DGL raises)"
-    return (mod.weight if w is None else w), None
+    if type(mod) is GraphConv:
+        if mod._activation is not None:
+            return None, "an activation inside the relation's GraphConv"
+        w = mkw.get("weight")
+        if w is not None and mod.weight is not None:
+            return None, "a weight passed to a GraphConv that has its own (DGL raises)"
+        return {"W": mod.weight if w is None else w, "norm": mod._norm, "self": None,
+                "bias": mod.bias}, None
+    if type(mod) is SAGEConv:
+        if mod._aggre_type != "mean":
+            return None, f"SAGEConv with the '{mod._aggre_type}' aggregator"
+        if mod.activation is not None or mod.norm is not None:
+            return None, "an activation or normalisation inside the relation's SAGEConv"
+        if mod.training and mod.feat_drop.p > 0:
+            return None, "feature dropout inside the relation's SAGEConv in training"
+        return {"W": mod.fc_neigh.weight.t(), "norm": "right", "self": mod.fc_self.weight,
+                "bias": mod.fc_self.bias}, None
+    return None, f"a {type(mod).__name__}, not a GraphConv or a mean SAGEConv"
 
 
 def groups(layer, g, src_inputs, dst_inputs):
     """``({d: [canonical etype]}, reason)``: the relations into each destination type that
     DGL's forward calls, or the reason the container cannot run as typed products."""
-    from dgl.nn.pytorch import GraphConv
-    agg = _aggregation(layer)
-    if agg is None:
+    if _aggregation(layer) is None:
         return None, "an aggregation across relations other than sum or mean"
     out = {}
     for cet in g.canonical_etypes:
         s, _, d = cet
-        if s not in src_inputs or d not in dst_inputs:
-            continue
-        mod = layer._get_module(cet)
-        if type(mod) is not GraphConv:
-            return None, f"relation {cet}: a {type(mod).__name__}, not a GraphConv"
-        if mod._activation is not None:
-            return None, f"relation {cet}: an activation inside the relation's GraphConv"
-        out.setdefault(d, []).append(cet)
+        if s in src_inputs and d in dst_inputs:
+            out.setdefault(d, []).append(cet)
     return out, None
 
 
-def _check(layer, g, cets, src_inputs, mod_args, mod_kwargs):
-    """``(weights, k_in, k_out, reason)`` for the relations ``cets`` into one destination type."""
-    weights, k_in, k_out = [], None, None
+def _check(layer, g, cets, src_inputs, dst_inputs, mod_args, mod_kwargs):
+    """``(terms, k_in, k_out, reason)`` for the relations ``cets`` into one destination type
+    (``terms``: ``relation_terms`` of each)."""
+    terms, k_in, k_out = [], None, None
+    fail = (None, None, None)
     for cet in cets:
-        s, e, _ = cet
-        mod = layer._get_module(cet)
-        w, why = _relation_weight(mod, mod_args.get(e, ()), mod_kwargs.get(e, {}))
+        s, e, d = cet
+        t, why = relation_terms(layer._get_module(cet), mod_args.get(e, ()), mod_kwargs.get(e, {}))
         if why:
-            return None, None, None, f"relation {cet}: {why}"
-        x = src_inputs[s]
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 \
-                or x.is_cuda or x.shape[0] != g.num_src_nodes(s):
-            return None, None, None, (f"relation {cet}: source features that are not a float32 "
-                                      "CPU matrix of one row per source node")
+            return (*fail, f"relation {cet}: {why}")
+        x, w = src_inputs[s], t["W"]
+        if not _matrix_of(x, g.num_src_nodes(s)):
+            return (*fail, f"relation {cet}: source features that are not a float32 CPU matrix "
+                           "of one row per source node")
         kin = x.shape[1]
-        kout = kin if w is None else (w.shape[1] if w.dim() == 2 else -1)
         if w is not None and (w.dim() != 2 or w.shape[0] != kin or w.dtype != x.dtype):
-            return None, None, None, f"relation {cet}: a weight that does not fit the features"
+            return (*fail, f"relation {cet}: a weight that does not fit the features")
+        kout = kin if w is None else w.shape[1]
+        if t["self"] is not None and not (
+                _matrix_of(dst_inputs[d], g.num_dst_nodes(d))
+                and t["self"].shape == (kout, dst_inputs[d].shape[1])):
+            return (*fail, f"relation {cet}: destination features that do not fit its fc_self")
         if k_in is None:
             k_in, k_out = kin, kout
         if (kin, kout) != (k_in, k_out):
-            return None, None, None, "relations of different sizes into one destination type"
-        weights.append(w)
-    if any(w is None for w in weights) and not all(w is None for w in weights):
-        return None, None, None, "weights on some relations only"
-    return weights, k_in, k_out, None
+            return (*fail, "relations of different sizes into one destination type")
+        terms.append(t)
+    if len({t["W"] is None for t in terms}) > 1:
+        return (*fail, "weights on some relations only")
+    return terms, k_in, k_out, None
 
 
 class FlatIndex:
@@ -209,8 +232,9 @@ def flat_call(state, layer, g, src_inputs, dst_inputs, mod_args, mod_kwargs, cac
     for d, cets in (by_dst or {}).items():
         if why:
             break
-        weights, k_in, k_out, why = _check(layer, g, cets, src_inputs, mod_args, mod_kwargs)
-        checked[d] = (weights, k_in, k_out)
+        terms, k_in, k_out, why = _check(layer, g, cets, src_inputs, dst_inputs, mod_args,
+                                         mod_kwargs)
+        checked[d] = (terms, k_in, k_out)
     if why:
         state.flat_reason = why
         return None
@@ -219,9 +243,9 @@ def flat_call(state, layer, g, src_inputs, dst_inputs, mod_args, mod_kwargs, cac
     grad = torch.is_grad_enabled()
     outputs = {}
     for d, cets in by_dst.items():
-        weights, k_in, k_out = checked[d]
-        mods = [layer._get_module(c) for c in cets]
-        fi = flat_index(cache, g, cets, [m._norm for m in mods])
+        terms, k_in, k_out = checked[d]
+        weights = [t["W"] for t in terms]
+        fi = flat_index(cache, g, cets, [t["norm"] for t in terms])
         x = fi.features(src_inputs)
         if weights[0] is None:
             h = typed.move(fi.idx.move("0", "4"), x, fi.norm)
@@ -240,7 +264,11 @@ def flat_call(state, layer, g, src_inputs, dst_inputs, mod_args, mod_kwargs, cac
                 state.flat_reason = "no composition fits this machine's memory for this input"
                 return None
             h = hetero.run_plan(plan, fi.idx, lin, x, fi.norm)
-        biases = [m.bias for m in mods if m.bias is not None]
+        selfs = [t["self"] for t in terms if t["self"] is not None]
+        if selfs:         # SAGEConv's X_d W_self,r summed over relations: one GEMM
+            w_self = selfs[0] if len(selfs) == 1 else torch.stack(selfs).sum(0)
+            h = torch.addmm(h, dst_inputs[d], w_self.t())
+        biases = [t["bias"] for t in terms if t["bias"] is not None]
         if biases:
             h = h + (biases[0] if len(biases) == 1 else torch.stack(biases).sum(0))
         outputs[d] = h / len(cets) if mean else h

@@ -444,13 +444,13 @@ def test_hetero_graphconv(kind, agg):
     compare_hetero(model, ref, g, x)
     compare_hetero(model, ref, g, x, calls=1, train=False)
     text = granii.explain(model, file=open("/dev/null", "w"))
-    if kind == "gcn" and agg in ("sum", "mean"):       # the relations stacked: hetero_flat
+    if kind in ("gcn", "sage") and agg in ("sum", "mean"):   # relations stacked: hetero_flat
         assert "one typed product with the 2 relation(s) into 'user'" in text
         assert "relations run one by one" not in text
     else:
         assert "one tensor on the relation graph" in text
         assert ("source features on a block" if kind == "gcn" else "cat(x_dst, x_src)") in text
-    if kind == "gcn" and agg in ("max", "stack"):
+    if kind in ("gcn", "sage") and agg in ("max", "stack"):
         assert "relations run one by one: an aggregation across relations other than" in text
 
 
@@ -492,9 +492,10 @@ def test_container_tie_break_off_when_deterministic():
     state = dispatcher_of(model.h).state
     assert state.kept is None and state.tuned is None
 
-def test_hetero_sampled_blocks():
+@pytest.mark.parametrize("kind", ["sage", "gat"])
+def test_hetero_sampled_blocks(kind):
     g = small_hetero(1)
-    model = HModel("sage", "sum")
+    model = HModel(kind, "sum")
     ref = copy.deepcopy(model)
     sampler = dgl.dataloading.NeighborSampler([3])
     feats = h_inputs(g, requires_grad=False)
@@ -509,7 +510,8 @@ def test_hetero_sampled_blocks():
             granii(model, b, x)
             first = b
         compare_hetero(model, ref, b, x, calls=1)
-    assert "(block)" in granii.explain(model, file=open("/dev/null", "w"))
+    text = granii.explain(model, file=open("/dev/null", "w"))
+    assert ("one typed product" if kind == "sage" else "(block)") in text
 
 
 def test_hetero_falls_back_where_pair_needed():
@@ -645,6 +647,7 @@ def test_every_typed_plan_gives_dgl(monkeypatch, plan, train):
     norms = ["none", "right", "left", "both"]
     torch.manual_seed(0)
     model = HeteroGraphConv({r: GraphConv(8, 5, norm=norms[i % 4], bias=i % 2 == 0)
+                             if i % 3 else SAGEConv(8, 5, "mean", bias=i % 2 == 0)
                              for i, r in enumerate(g.etypes)})
     ref = copy.deepcopy(model)
     x = typed_inputs(g, 8)
@@ -709,6 +712,28 @@ def test_kernel_calls_of_typed_products_do_not_grow_with_relations(monkeypatch):
             per_plan.append(len(counted))
         per_size.append(per_plan)
     assert per_size[0] == per_size[1] and max(per_size[0]) <= 3 * 3
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_sage_relations_stacked_unless_dropout_draws(train):
+    """Mean SAGEConv relations (destination features through fc_self) run stacked, except
+    with feature dropout in training: there DGL draws a mask per relation."""
+    g = hetero_rels(9, seed=7)
+    torch.manual_seed(0)
+    model = HeteroGraphConv({r: SAGEConv(8, 6, "mean", feat_drop=0.4) for r in g.etypes},
+                            aggregate="mean")
+    ref = copy.deepcopy(model)
+    x = typed_inputs(g, 8)
+    granii(model, g, x)
+    state = dispatcher_of(model).state
+    before = state.flat_calls
+    compare_models(model, ref, g, x, calls=2, train=train)
+    if train:
+        assert state.flat_calls == before
+        assert "feature dropout inside the relation's SAGEConv in training" in granii.explain(
+            model, file=open("/dev/null", "w"))
+    else:
+        assert state.flat_calls == before + 2
 
 
 @pytest.mark.parametrize("what", ["activation", "edge_weight", "some_weights"])

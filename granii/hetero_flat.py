@@ -86,7 +86,7 @@ def relation_terms(mod, margs, mkw):
     """``(terms, reason)``: the relation's module as ``{"W": W_r or None, "norm": ...,
     "self": W_self or None, "bias": b_r or None}`` (``Y_r = D^-a A_r D^-b X_s W_r + X_d W_self
     + b_r``), or why it is not that."""
-    from dgl.nn.pytorch import GraphConv, SAGEConv
+    from dgl.nn.pytorch import GATConv, GraphConv, SAGEConv
     if margs:
         return None, "positional arguments to the relation's module"
     allowed = {"weight"} if type(mod) is GraphConv else set()
@@ -110,7 +110,19 @@ def relation_terms(mod, margs, mkw):
             return None, "feature dropout inside the relation's SAGEConv in training"
         return {"W": mod.fc_neigh.weight.t(), "norm": "right", "self": mod.fc_self.weight,
                 "bias": mod.fc_self.bias}, None
-    return None, f"a {type(mod).__name__}, not a GraphConv or a mean SAGEConv"
+    if type(mod) is GATConv:
+        if hasattr(mod, "fc_src"):
+            return None, "GATConv with separate source and destination weights"
+        if mod.res_fc is not None or mod.activation is not None:
+            return None, "a residual or an activation inside the relation's GATConv"
+        if mod.training and (mod.feat_drop.p > 0 or mod.attn_drop.p > 0):
+            return None, "dropout inside the relation's GATConv in training"
+        heads, f = mod._num_heads, mod._out_feats
+        bias = mod.bias if getattr(mod, "has_explicit_bias", False) else None
+        return {"gat": True, "W": mod.fc.weight.t(), "attn": (mod.attn_l, mod.attn_r),
+                "heads": heads, "slope": float(mod.leaky_relu.negative_slope), "norm": "none",
+                "self": None, "bias": bias}, None
+    return None, f"a {type(mod).__name__}, not a GraphConv, a mean SAGEConv or a GATConv"
 
 
 def groups(layer, g, src_inputs, dst_inputs):
@@ -155,6 +167,14 @@ def _check(layer, g, cets, src_inputs, dst_inputs, mod_args, mod_kwargs):
         terms.append(t)
     if len({t["W"] is None for t in terms}) > 1:
         return (*fail, "weights on some relations only")
+    if any(t.get("gat") for t in terms):
+        d = cets[0][2]
+        if not all(t.get("gat") for t in terms):
+            return (*fail, f"GATConv and other modules into '{d}'")
+        if len({(t["heads"], t["slope"]) for t in terms}) > 1:
+            return (*fail, f"GATConvs into '{d}' with different heads or slopes")
+        if not (_matrix_of(dst_inputs[d], g.num_dst_nodes(d)) and dst_inputs[d].shape[1] == k_in):
+            return (*fail, f"destination features of '{d}' that do not fit the GATConvs")
     return terms, k_in, k_out, None
 
 
@@ -192,6 +212,19 @@ class FlatIndex:
         self.norm = None if all(m == "none" for m in norms) else torch.cat(vals).reshape(-1, 1)
         self.decisions = {}
 
+    def pairs_graph(self):
+        """The graph of the edges between (source, relation) and (destination, relation)
+        pairs (one edge per edge), its ``GraphInfo``: attention is a softmax per destination
+        pair. Built on first use."""
+        if not hasattr(self, "_pairs"):
+            import dgl
+            from .graph import graph_info
+            b = dgl.create_block((self.idx.at["1"], self.idx.at["3"]),
+                                 num_src_nodes=self.idx.size["1"],
+                                 num_dst_nodes=self.idx.size["3"])
+            self._pairs = (b, graph_info(b))
+        return self._pairs[1]
+
     def features(self, src_inputs):
         xs = [src_inputs[s] for s in self.types]
         return xs[0] if len(xs) == 1 else torch.cat(xs)
@@ -224,6 +257,35 @@ def decide(fi, lin, x, mode, tune):
     return next(p for lb, p in cands if lb == label), ranking, times
 
 
+def gat_product(fi, terms, x, x_d):
+    """``sum_r GATConv_r(A_r, (X_s, X_d))`` over the stacked graph, without biases::
+
+        Z = X[(u, r) pairs] W_r               one segment GEMM over the source pairs
+        el = <Z_h, a_l,r,h>,  er = X_d[(v, r) pairs] (W_r a_r,r)   (per head)
+        O[(v, r)] = sum_{u} softmax_u(lrelu(el + er)) Z[(u, r)]      one fused GAT kernel on
+                                                                   the pairs graph
+        Y[v] = sum_r O[(v, r)]                one scatter-add
+
+    Result ``(N_dst, H, F)``."""
+    from .kernels import native_gat
+    idx = fi.idx
+    heads = terms[0]["heads"]
+    R, k_in = len(terms), x.shape[1]
+    w = torch.stack([t["W"] for t in terms])                                 # (R, k_in, H F)
+    f = w.shape[2] // heads
+    a_l = torch.stack([t["attn"][0].reshape(heads, f) for t in terms])      # (R, H, F)
+    a_r = torch.stack([t["attn"][1].reshape(heads, f) for t in terms])
+    z = typed.segment_gemm(x.index_select(0, idx.node["1"]), w, idx.seglen["1"])
+    z3 = z.view(-1, heads, f)
+    el = (z3 * a_l.index_select(0, idx.rel["1"])).sum(-1)                 # (P_src, H)
+    w_er = (w.view(R, k_in, heads, f) * a_r.unsqueeze(1)).sum(-1)          # (R, k_in, H)
+    er = typed.segment_gemm(x_d.index_select(0, idx.node["3"]), w_er, idx.seglen["3"])
+    gat = native_gat.gat_fused_native if native_gat.available() else native_gat.gat_aggregate_dgl
+    o = gat(fi.pairs_graph(), el, er, z3, terms[0]["slope"])                # (P_dst, H, F)
+    y = typed.move(idx.move("3", "4"), o.reshape(o.shape[0], heads * f))
+    return y.view(-1, heads, f)
+
+
 def flat_call(state, layer, g, src_inputs, dst_inputs, mod_args, mod_kwargs, cache, tune):
     """The container's outputs by one typed product per destination type, or ``None`` (with
     ``state.flat_reason`` set) when the relation-by-relation route must run."""
@@ -247,7 +309,12 @@ def flat_call(state, layer, g, src_inputs, dst_inputs, mod_args, mod_kwargs, cac
         weights = [t["W"] for t in terms]
         fi = flat_index(cache, g, cets, [t["norm"] for t in terms])
         x = fi.features(src_inputs)
-        if weights[0] is None:
+        if terms[0].get("gat"):
+            h = gat_product(fi, terms, x, dst_inputs[d])
+            plan = GAT_PLAN
+            if d not in state.flat_info:
+                state.flat_info[d] = (fi.idx.sizes(), (grad,), [], plan, None, len(cets))
+        elif weights[0] is None:
             h = typed.move(fi.idx.move("0", "4"), x, fi.norm)
             plan = None
         else:
@@ -270,13 +337,17 @@ def flat_call(state, layer, g, src_inputs, dst_inputs, mod_args, mod_kwargs, cac
             h = torch.addmm(h, dst_inputs[d], w_self.t())
         biases = [t["bias"] for t in terms if t["bias"] is not None]
         if biases:
-            h = h + (biases[0] if len(biases) == 1 else torch.stack(biases).sum(0))
+            b = biases[0] if len(biases) == 1 else torch.stack(biases).sum(0)
+            h = h + b.reshape(h.shape[1:])
         outputs[d] = h / len(cets) if mean else h
         for cet in cets:
-            state.routes[cet] = (f"one typed product with the {len(cets)} relation(s) into "
-                                 f"'{d}'" + ("" if plan is None else f": {hetero.plan_name(plan)}"))
+            how = "" if plan is None else f": {plan if plan == GAT_PLAN else hetero.plan_name(plan)}"
+            state.routes[cet] = f"one typed product with the {len(cets)} relation(s) into '{d}'{how}"
     state.flat_calls += 1
     return outputs
+
+
+GAT_PLAN = "W@(src, rel) pairs, attention per (dst, rel) pair (fused GAT kernel)"
 
 
 def explain(state, p):
@@ -287,6 +358,8 @@ def explain(state, p):
         p(f"  into '{d}': {n} relation(s) stacked, "
           + " ".join(f"{k}={v}" for k, v in sizes.items())
           + f"  mode: {'training' if mode[0] else 'inference'}")
+        if isinstance(chosen, str):
+            p(f"    {chosen}")
         for q, c in ranking:
             p(f"    {c * 1e3:9.3f} ms  {hetero.plan_name(q)}" + ("  <- chosen" if q == chosen else ""))
         if timed:

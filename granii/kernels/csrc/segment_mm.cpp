@@ -57,9 +57,20 @@ std::vector<Piece> pieces_of(const std::vector<int64_t>& off, int64_t piece) {
   return out;
 }
 
-// 64-byte vectors (GCC vector extensions: one zmm register with AVX-512, two ymm with AVX2)
-typedef float vfloat __attribute__((vector_size(64)));
-typedef double vdouble __attribute__((vector_size(64)));
+// One register per vector (GCC vector extensions): 64 bytes with AVX-512 (32 zmm registers),
+// 32 bytes otherwise (16 ymm with AVX2). Each tile's accumulators, the vectors it reads and the
+// broadcast fit the register file (kTile4: rows of the tile of 4 vectors, kOuterRows: rows of
+// the weight gradient's tile): a 64-byte vector on AVX2 is two registers, and tiles sized for
+// AVX-512 spill there (measured 10-30x slower).
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+constexpr int64_t kTile4 = 4, kOuterRows = 8;
+#else
+constexpr int kVecBytes = 32;
+constexpr int64_t kTile4 = 2, kOuterRows = 4;
+#endif
+typedef float vfloat __attribute__((vector_size(kVecBytes)));
+typedef double vdouble __attribute__((vector_size(kVecBytes)));
 template <typename scalar_t> struct Vec;
 template <> struct Vec<float> { using type = vfloat; };
 template <> struct Vec<double> { using type = vdouble; };
@@ -125,7 +136,7 @@ void rows_times(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t a, in
                 int64_t k_in, int64_t k_out) {
   constexpr int64_t L = sizeof(typename Vec<scalar_t>::type) / sizeof(scalar_t);
   int64_t c = 0;
-  for (; c + 4 * L <= k_out; c += 4 * L) vcols<scalar_t, 4, 4>(x, w, y, a, b, k_in, k_out, c);
+  for (; c + 4 * L <= k_out; c += 4 * L) vcols<scalar_t, kTile4, 4>(x, w, y, a, b, k_in, k_out, c);
   if (c + 2 * L <= k_out) { vcols<scalar_t, 6, 2>(x, w, y, a, b, k_in, k_out, c); c += 2 * L; }
   if (c + L <= k_out) { vcols<scalar_t, 8, 1>(x, w, y, a, b, k_in, k_out, c); c += L; }
   if (c < k_out) scols(x, w, y, a, b, k_in, k_out, c);
@@ -203,7 +214,8 @@ void accumulate_outer(const scalar_t* x, const scalar_t* g, scalar_t* acc, int64
                       int64_t k_in, int64_t k_out) {
   constexpr int64_t L = sizeof(typename Vec<scalar_t>::type) / sizeof(scalar_t);
   int64_t c = 0;
-  for (; c + 2 * L <= k_out; c += 2 * L) outer_cols<scalar_t, 8, 2>(x, g, acc, a, b, k_in, k_out, c);
+  for (; c + 2 * L <= k_out; c += 2 * L)
+    outer_cols<scalar_t, kOuterRows, 2>(x, g, acc, a, b, k_in, k_out, c);
   if (c + L <= k_out) { outer_cols<scalar_t, 8, 1>(x, g, acc, a, b, k_in, k_out, c); c += L; }
   if (c == k_out) return;
   for (int64_t i = a; i < b; ++i) {         // the columns left over after the vectors

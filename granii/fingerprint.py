@@ -5,6 +5,9 @@ so models trained under one setup are foreign under another: a model profiled wi
 nothing about 8, and a new torch or DGL release changes kernels. The fingerprint holds
 
     cpu_model   the ``model name`` line of /proc/cpuinfo (or the platform's processor string)
+    isa         the widest vector extension the processor reports (``avx512f``, ``avx2``, ...):
+                processors sold under one model name differ here (an "AMD EPYC" with AVX-512
+                and one without), and so do the native kernels compiled for them
     cores       logical processors (``os.cpu_count()``)
     threads     torch's intra-op thread count
     torch, dgl, xgboost   library versions (major.minor.patch, local build tags dropped)
@@ -18,7 +21,8 @@ import json
 import os
 import platform
 
-FIELDS = ("cpu_model", "cores", "threads", "torch", "dgl", "xgboost")
+FIELDS = ("cpu_model", "isa", "cores", "threads", "torch", "dgl", "xgboost")
+ISA_ORDER = ("avx512f", "avx2", "avx", "sse4_2", "asimd", "neon")   # widest first
 
 
 def cpu_model():
@@ -32,6 +36,21 @@ def cpu_model():
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def isa():
+    """The first of ``ISA_ORDER`` in the processor's flags (/proc/cpuinfo ``flags`` or
+    ``Features``), else the machine architecture."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    have = set(value.split())
+                    return next((x for x in ISA_ORDER if x in have), platform.machine())
+    except OSError:
+        pass
+    return platform.machine() or "unknown"
 
 
 def _version(package):
@@ -48,6 +67,7 @@ def machine_fingerprint(threads=None):
     import torch
     return {
         "cpu_model": cpu_model(),
+        "isa": isa(),
         "cores": os.cpu_count() or 1,
         "threads": int(threads if threads is not None else torch.get_num_threads()),
         "torch": _version("torch"),

@@ -1,5 +1,5 @@
-"""``HeteroGraphConv`` of ``GraphConv`` (and mean ``SAGEConv``) relations as one typed product
-per destination type.
+"""``HeteroGraphConv`` of ``GraphConv``, mean ``SAGEConv`` or ``GATConv`` relations as one typed
+product per destination type.
 
 DGL's relational GCN over a heterograph (its ``rgcn-hetero`` example, and the tutorial's RGCN)
 is a ``HeteroGraphConv`` with one ``GraphConv`` per relation, the weights passed per relation
@@ -30,9 +30,18 @@ A ``SAGEConv`` relation with the mean aggregator is the same product with ``norm
 ``W_r`` its ``fc_neigh``, plus ``X_d W_self,r + b_r``: summed over the relations, one GEMM of the
 destination features with ``sum_r W_self,r``.
 
+``GATConv`` relations (RGAT as users write it) attend per relation: a softmax over the in-edges
+of each (destination, relation) pair. On the stacked graph that is one segment GEMM
+``Z = X[(u, r) pairs] W_r``, scores per pair and head, and one fused GAT kernel on the graph
+between (source, relation) and (destination, relation) pairs, then one scatter-add over the
+relations (``gat_product``).
+
 What takes the relation-by-relation route instead, with the reason in ``explain``: modules other
-than ``GraphConv`` and mean ``SAGEConv`` (or subclasses), an activation or normalisation inside a
-relation's module, feature dropout in training, an ``edge_weight`` or positional arguments, sizes that differ between relations, weights on some relations only,
+than ``GraphConv``, mean ``SAGEConv`` and ``GATConv`` (or subclasses), an activation,
+normalisation or residual inside a relation's module, dropout in training, a GATConv with
+separate source and destination weights, an ``edge_weight`` or positional arguments, GATConv
+mixed with other modules into one type, sizes that differ between relations, weights on some
+relations only,
 ``max``/``min``/``stack``/custom aggregation, features that are not float32 CPU matrices of the
 sources' row counts.
 """
@@ -249,7 +258,8 @@ def decide(fi, lin, x, mode, tune):
     ranking = sorted(((p, hetero.plan_cost(p, sizes, lin.in_size, lin.out_size, 1, None,
                                            mode[0])) for p in kept), key=lambda t: t[1])
     best = ranking[0][0]
-    if not (tune and mode[0] and len(ranking) > 1 and ranking[1][1] <= TRIAL_MARGIN * ranking[0][1]):
+    close = len(ranking) > 1 and ranking[1][1] <= TRIAL_MARGIN * ranking[0][1]
+    if not (tune and mode[0] and close):
         return best, ranking, None
     cands = [(hetero.plan_name(p), p) for p, _ in ranking[:2]]
     times = hetero.training_times(cands, fi.idx, lin, x, fi.norm)
@@ -341,8 +351,10 @@ def flat_call(state, layer, g, src_inputs, dst_inputs, mod_args, mod_kwargs, cac
             h = h + b.reshape(h.shape[1:])
         outputs[d] = h / len(cets) if mean else h
         for cet in cets:
-            how = "" if plan is None else f": {plan if plan == GAT_PLAN else hetero.plan_name(plan)}"
-            state.routes[cet] = f"one typed product with the {len(cets)} relation(s) into '{d}'{how}"
+            how = "" if plan is None else (
+                f": {plan if plan == GAT_PLAN else hetero.plan_name(plan)}")
+            state.routes[cet] = (f"one typed product with the {len(cets)} relation(s) into "
+                                 f"'{d}'{how}")
     state.flat_calls += 1
     return outputs
 
@@ -361,7 +373,8 @@ def explain(state, p):
         if isinstance(chosen, str):
             p(f"    {chosen}")
         for q, c in ranking:
-            p(f"    {c * 1e3:9.3f} ms  {hetero.plan_name(q)}" + ("  <- chosen" if q == chosen else ""))
+            mark = "  <- chosen" if q == chosen else ""
+            p(f"    {c * 1e3:9.3f} ms  {hetero.plan_name(q)}{mark}")
         if timed:
             p("    measured (forward + backward, on the first call; fastest run): "
               + ", ".join(f"{lb} {t * 1e3:.3f} ms" for lb, t in timed))

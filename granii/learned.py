@@ -596,6 +596,7 @@ def default_cost_model(root=None):
     chain = transferred(foreign, here)
     what = (f"the models of {foreign[0].manifest['fingerprint_id']} "
             f"({foreign[0].manifest['fingerprint'].get('cpu_model')}, "
+            f"{foreign[0].manifest['fingerprint'].get('isa', 'vector extensions not recorded')}, "
             f"{foreign[0].manifest['fingerprint'].get('threads')} threads) rescaled by a "
             f"calibration of this machine (a few seconds once, cached in {calibration.cache_dir()})"
             if foreign else "the analytical cost model with this machine's calibrated rates")
@@ -603,7 +604,8 @@ def default_cost_model(root=None):
         msg = f"{reason}. Using {what} meanwhile."
     else:
         msg = (f"granii: no learned cost models for this machine ({fp['cpu_model']}, "
-               f"{fp['threads']} threads, torch {fp['torch']}; id {fid}) in {root}; using "
+               f"{fp['isa']}, {fp['threads']} threads, torch {fp['torch']}; id {fid}) in {root}; "
+               f"using "
                f"{what}. Run {FIX} to profile this machine.")
     _warn_once(msg)
     model = _resolve(chain)

@@ -481,6 +481,19 @@ def test_fingerprint_is_stable_and_thread_specific():
     assert a["cpu_model"] and a["cores"] >= 1
 
 
+def test_fingerprint_tells_vector_extensions_apart():
+    """One processor name covers parts with and without AVX-512: models of one are foreign on
+    the other, and models whose manifest predates the field are foreign everywhere."""
+    from granii.fingerprint import ISA_ORDER, isa
+    here = machine_fingerprint(2)
+    assert here["isa"] == isa() and here["isa"]
+    other = dict(here, isa=next(x for x in ISA_ORDER if x != here["isa"]))
+    assert fingerprint_id(other) != fingerprint_id(here)
+    assert any(d.startswith("isa:") for d in differences(here, other))
+    older = {k: v for k, v in here.items() if k != "isa"}
+    assert any(d.startswith("isa:") for d in differences(here, older))
+
+
 def test_selection_ranks_graphconv_plans_with_learned_models(model_dir):
     """The plans of a real layer price through the learned models (dims conventions agree)."""
     import inspect

@@ -187,11 +187,18 @@ inline V exp_vec(V x) {
   return p * scale;
 }
 
-// Lanes per vector for rows of FC features per head: one 64-byte vector, or FC if smaller (then
+// Bytes of one vector register (see spmm.cpp): 64 with AVX-512, else 32.
+#if defined(__AVX512F__)
+constexpr int kGatVecBytes = 64;
+#else
+constexpr int kGatVecBytes = 32;
+#endif
+
+// Lanes per vector for rows of FC features per head: one register, or FC if smaller (then
 // each vector is one head); 0 when FC is not a compile-time multiple of 16 bytes.
 template <typename T, int FC>
 constexpr int lanes_for() {
-  constexpr int full = 64 / static_cast<int>(sizeof(T));
+  constexpr int full = kGatVecBytes / static_cast<int>(sizeof(T));
   constexpr int l = FC < full ? FC : full;
   return (FC > 0 && l * static_cast<int>(sizeof(T)) >= 16 && FC % l == 0) ? l : 0;
 }

@@ -79,10 +79,18 @@ struct Vec<T, 1> {
   typedef T type;
 };
 
-// Lanes per vector for a tile of TW features: up to 64 bytes, at least 16 bytes, else scalar.
+// Bytes of one vector register: a wider vector type is split into several registers, and a
+// tile of them spills where the register file is smaller (AVX2: 16 ymm).
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#else
+constexpr int kVecBytes = 32;
+#endif
+
+// Lanes per vector for a tile of TW features: up to one register, at least 16 bytes, else scalar.
 template <typename T, int TW>
 constexpr int lanes() {
-  constexpr int full = 64 / static_cast<int>(sizeof(T));
+  constexpr int full = kVecBytes / static_cast<int>(sizeof(T));
   constexpr int l = TW < full ? TW : full;
   return l * static_cast<int>(sizeof(T)) >= 16 ? l : 1;
 }

@@ -77,10 +77,10 @@ class Config:
 def quick_config():
     """About a minute and a half of profiling (``granii-init --quick`` stops it at 100 s): every
     graph of the quick corpus, three sizes, small grids, no waiting for a quiet machine (points
-    measured under load are flagged). Coarse: on an AVX2 machine the plans these models chose
-    were 1.20x the fastest (geomean over 96 layer configurations; 1.22x with the earlier third of
-    the graphs and two sizes, 20 s), where the full models of an AVX-512 machine rescaled by a
-    calibration chose 1.11x (``results/selection_avx2/``)."""
+    measured under load are flagged). On an AVX2 machine the plans these models chose ran
+    1.065x the fastest (geomean over 96 layer configurations, ``results/selection_avx2/``); those
+    of ``--graph-stride 3`` (11 min) 1.058x, and the full models of an AVX-512 machine rescaled by
+    a calibration of it 1.055x."""
     names = [n for n, _ in gen.corpus("quick")]
     return Config("quick", graphs=names, ks=[32, 96, 256], heads=[1, 4], gat_f=[16],
                   blocks_every=4, gemm_m=[300, 5000, 60000, 400000],

@@ -1,5 +1,6 @@
 """Relational layers: ``RelGraphConv`` re-associated over index spaces, and ``HeteroGraphConv``
-routed through the homogeneous path relation by relation.
+stacked into typed products (``hetero_flat``) or routed through the homogeneous path relation by
+relation.
 
 RelGraphConv
 ------------
@@ -47,7 +48,9 @@ whatever the number of relations.
 
 HeteroGraphConv
 ---------------
-Each relation ``g[s, e, d]`` is a homogeneous graph; its module (GraphConv, SAGEConv, GATConv) is
+Where every relation into a destination type is a GraphConv, a mean SAGEConv or a GATConv and
+the relations are summed or averaged, ``hetero_flat`` runs them as one typed product per
+destination type (its docstring). Otherwise each relation ``g[s, e, d]`` is a homogeneous graph; its module (GraphConv, SAGEConv, GATConv) is
 optimized by the homogeneous dispatcher, which takes one feature tensor on a graph or a block.
 DGL calls the module with a pair ``(x_s, x_d)``. ``HeteroDispatcher`` makes the equivalent single
 tensor call: the relation graph itself when ``s == d`` (non-block: ``x_s is x_d``; block:
@@ -806,7 +809,7 @@ class HeteroState:
         self.graphs = weakref.WeakKeyDictionary()    # heterograph -> (index, {etype: graph})
         self.routed_calls = 0       # calls routed relation by relation, before the tie-break
         self.trial = None           # the container's measured tie-break while it runs
-        self.kept = None            # ROUTED or ORIGINAL once it is settled
+        self.kept = None            # ROUTED, FLAT or ORIGINAL once it is settled
         self.tuned = None           # [(label, median seconds)] of that tie-break
         self.flat_reason = None     # why the relations last ran one by one (hetero_flat)
         self.flat_info = {}         # destination type -> its typed product's decision

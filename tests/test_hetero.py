@@ -406,6 +406,8 @@ def h_inputs(g, requires_grad=True):
 
 
 def compare_hetero(model, ref, g, x, calls=3, train=True):
+    """Outputs, parameter and input gradients of ``model`` and ``ref`` over several calls, each
+    call under the same seed for both (dropout draws the same masks)."""
     for m in (model, ref):
         m.train(train)
     for i in range(calls):
@@ -414,6 +416,7 @@ def compare_hetero(model, ref, g, x, calls=3, train=True):
             m.zero_grad()
             for t in x.values():
                 t.grad = None
+            torch.manual_seed(100 + i)
             out = m(g, x)
             loss = sum((o * torch.randn(o.shape, generator=torch.Generator().manual_seed(j))).sum()
                        for j, o in enumerate(out[k] for k in sorted(out)))
@@ -585,35 +588,6 @@ def typed_inputs(g, k, requires_grad=True, seed=5):
             for t in g.srctypes}
 
 
-def compare_models(model, ref, g, x, calls=3, train=True):
-    """Outputs, parameter and input gradients of ``model`` and ``ref`` over several calls under
-    the same seed (dropout draws the same masks)."""
-    for m in (model, ref):
-        m.train(train)
-    for i in range(calls):
-        got = []
-        for m in (ref, model):
-            m.zero_grad()
-            for t in x.values():
-                t.grad = None
-            torch.manual_seed(100 + i)
-            out = m(g, x)
-            if train:
-                sum((o * torch.randn(o.shape, generator=torch.Generator().manual_seed(j))).sum()
-                    for j, o in enumerate(out[k] for k in sorted(out))).backward()
-            got.append((out, {n: p.grad for n, p in m.named_parameters() if p.grad is not None},
-                        {t: v.grad for t, v in x.items() if v.grad is not None}))
-        (o_ref, g_ref, x_ref), (o, g_got, x_got) = got
-        assert sorted(o) == sorted(o_ref)
-        for k in o_ref:
-            assert_close(o[k], o_ref[k], f"call {i}: output {k}")
-        assert sorted(g_got) == sorted(g_ref) and sorted(x_got) == sorted(x_ref)
-        for n in g_ref:
-            assert_close(g_got[n], g_ref[n], f"call {i}: gradient of {n}", RTOL_GRAD)
-        for t in x_ref:
-            assert_close(x_got[t], x_ref[t], f"call {i}: gradient of input {t}", RTOL_GRAD)
-
-
 @pytest.mark.parametrize("bases", [0, 3])
 @pytest.mark.parametrize("agg", ["sum", "mean"])
 def test_rgcn_hetero_example_runs_typed_products(bases, agg):
@@ -623,19 +597,19 @@ def test_rgcn_hetero_example_runs_typed_products(bases, agg):
     x = typed_inputs(g, 8)
     granii(model, g, x)
     state = dispatcher_of(model.conv).state
-    compare_models(model, ref, g, x, calls=1)
+    compare_hetero(model, ref, g, x, calls=1)
     assert state.flat_calls >= 1 and state.flat_reason is None
     assert set(state.flat_info) == {"a", "b", "c"}
     # the container's tie-break starts on the next call: typed products against DGL's forward
-    compare_models(model, ref, g, x, calls=2 * (TRIAL_ROUNDS + 1) + 1)
+    compare_hetero(model, ref, g, x, calls=2 * (TRIAL_ROUNDS + 1) + 1)
     assert state.kept in (hetero.FLAT, ORIGINAL)
     assert sorted(lb for lb, _ in state.tuned) == sorted([hetero.FLAT, ORIGINAL])
     text = granii.explain(model, file=open("/dev/null", "w"))
     assert "into 'a': 6 relation(s) stacked" in text and "<- chosen" in text
     for kept in (hetero.FLAT, ORIGINAL):
         state.kept = kept
-        compare_models(model, ref, g, x, calls=2)
-        compare_models(model, ref, g, x, calls=2, train=False)
+        compare_hetero(model, ref, g, x, calls=2)
+        compare_hetero(model, ref, g, x, calls=2, train=False)
 
 
 @pytest.mark.parametrize("plan", hetero.plans_for(None)[0], ids=hetero.plan_name)
@@ -652,7 +626,7 @@ def test_every_typed_plan_gives_dgl(monkeypatch, plan, train):
     ref = copy.deepcopy(model)
     x = typed_inputs(g, 8)
     granii(model, g, x)
-    compare_models(model, ref, g, x, calls=2, train=train)
+    compare_hetero(model, ref, g, x, calls=2, train=train)
     assert dispatcher_of(model).state.flat_calls >= 2
 
 
@@ -664,7 +638,7 @@ def test_typed_products_without_weights():
     ref = copy.deepcopy(model)
     x = typed_inputs(g, 8)
     granii(model, g, x)
-    compare_models(model, ref, g, x)
+    compare_hetero(model, ref, g, x)
     assert dispatcher_of(model).state.flat_calls >= 3
 
 
@@ -682,7 +656,7 @@ def test_typed_products_on_hetero_blocks():
              for t in b.srctypes}
         if seed == 0:
             granii(model, b, x)
-        compare_models(model, ref, b, x, calls=1)
+        compare_hetero(model, ref, b, x, calls=1)
     assert dispatcher_of(model.conv).state.flat_calls >= 3
 
 
@@ -728,8 +702,8 @@ def test_gat_relations_stacked(agg, bias):
     x = typed_inputs(g, 8)
     granii(model, g, x)
     state = dispatcher_of(model).state
-    compare_models(model, ref, g, x, calls=2)
-    compare_models(model, ref, g, x, calls=1, train=False)
+    compare_hetero(model, ref, g, x, calls=2)
+    compare_hetero(model, ref, g, x, calls=1, train=False)
     assert state.flat_reason is None and state.flat_calls >= 3
     assert "fused GAT kernel" in granii.explain(model, file=open("/dev/null", "w"))
     sampler = dgl.dataloading.NeighborSampler([3])
@@ -739,7 +713,7 @@ def test_gat_relations_stacked(agg, bias):
                                                "b": torch.arange(0, 20, 3)})
         xb = {t: x[t].detach()[b.srcnodes[t].data[dgl.NID]].clone().requires_grad_()
               for t in b.srctypes}
-        compare_models(model, ref, b, xb, calls=1)
+        compare_hetero(model, ref, b, xb, calls=1)
 
 
 def test_gat_dropout_in_training_runs_relation_by_relation():
@@ -750,10 +724,10 @@ def test_gat_dropout_in_training_runs_relation_by_relation():
     ref = copy.deepcopy(model)
     x = typed_inputs(g, 8)
     granii(model, g, x)
-    compare_models(model, ref, g, x, calls=2)
+    compare_hetero(model, ref, g, x, calls=2)
     assert "dropout inside the relation's GATConv in training" in granii.explain(
         model, file=open("/dev/null", "w"))
-    compare_models(model, ref, g, x, calls=1, train=False)
+    compare_hetero(model, ref, g, x, calls=1, train=False)
     assert dispatcher_of(model).state.flat_reason is None
 
 
@@ -770,7 +744,7 @@ def test_sage_relations_stacked_unless_dropout_draws(train):
     granii(model, g, x)
     state = dispatcher_of(model).state
     before = state.flat_calls
-    compare_models(model, ref, g, x, calls=2, train=train)
+    compare_hetero(model, ref, g, x, calls=2, train=train)
     if train:
         assert state.flat_calls == before
         assert "feature dropout inside the relation's SAGEConv in training" in granii.explain(

@@ -715,16 +715,22 @@ def _fastest(f, reps=5):
     return min(ts)
 
 
-def _rel_decide(state, options, idx, lin, mode, is_block, feat=None, norm=None):
+def rank_plans(lin, sizes, training):
+    """``[(plan, predicted seconds)]`` of the runnable kept plans of ``lin``'s regularizer on
+    these sizes, cheapest first (empty when none can run)."""
     B = getattr(lin, "num_bases", 1)
-    sizes = idx.sizes()
     kept = runnable(plans_for(lin.regularizer)[0], sizes, lin.in_size, lin.out_size, B,
                     lin.regularizer)
-    if not kept:
+    return sorted(((p, plan_cost(p, sizes, lin.in_size, lin.out_size, B, lin.regularizer,
+                                 training)) for p in kept), key=lambda t: t[1])
+
+
+def _rel_decide(state, options, idx, lin, mode, is_block, feat=None, norm=None):
+    sizes = idx.sizes()
+    ranking = rank_plans(lin, sizes, mode[0])
+    if not ranking:
         state.last = (sizes, mode, [], ORIGINAL)
         return (ORIGINAL, ORIGINAL)
-    ranking = sorted(((p, plan_cost(p, sizes, lin.in_size, lin.out_size, B, lin.regularizer,
-                                    mode[0])) for p in kept), key=lambda t: t[1])
     best = ranking[0]
     state.last = (sizes, mode, ranking, best[0])
     cands = [(plan_name(best[0]), best[0])]

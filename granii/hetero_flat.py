@@ -134,10 +134,11 @@ def relation_terms(mod, margs, mkw):
     return None, f"a {type(mod).__name__}, not a GraphConv, a mean SAGEConv or a GATConv"
 
 
-def groups(layer, g, src_inputs, dst_inputs):
+def groups(layer, g, src_inputs, dst_inputs, agg):
     """``({d: [canonical etype]}, reason)``: the relations into each destination type that
-    DGL's forward calls, or the reason the container cannot run as typed products."""
-    if _aggregation(layer) is None:
+    DGL's forward calls, or the reason the container (aggregating by ``agg``) cannot run as
+    typed products."""
+    if agg is None:
         return None, "an aggregation across relations other than sum or mean"
     out = {}
     for cet in g.canonical_etypes:
@@ -251,12 +252,9 @@ def decide(fi, lin, x, mode, tune):
     """``(plan, ranking, timed)``: the cheapest plan by ``hetero.plan_cost``; in training, when
     the next one is predicted within ``TRIAL_MARGIN``, the two are timed forward + backward on
     this call's input and the faster kept (``timed``: their times)."""
-    sizes = fi.idx.sizes()
-    kept = hetero.runnable(hetero.plans_for(None)[0], sizes, lin.in_size, lin.out_size, 1, None)
-    if not kept:
+    ranking = hetero.rank_plans(lin, fi.idx.sizes(), mode[0])
+    if not ranking:
         return None, [], None
-    ranking = sorted(((p, hetero.plan_cost(p, sizes, lin.in_size, lin.out_size, 1, None,
-                                           mode[0])) for p in kept), key=lambda t: t[1])
     best = ranking[0][0]
     close = len(ranking) > 1 and ranking[1][1] <= TRIAL_MARGIN * ranking[0][1]
     if not (tune and mode[0] and close):
@@ -299,7 +297,8 @@ def gat_product(fi, terms, x, x_d):
 def flat_call(state, layer, g, src_inputs, dst_inputs, mod_args, mod_kwargs, cache, tune):
     """The container's outputs by one typed product per destination type, or ``None`` (with
     ``state.flat_reason`` set) when the relation-by-relation route must run."""
-    by_dst, why = groups(layer, g, src_inputs, dst_inputs)
+    agg = _aggregation(layer)
+    by_dst, why = groups(layer, g, src_inputs, dst_inputs, agg)
     checked = {}
     for d, cets in (by_dst or {}).items():
         if why:
@@ -311,7 +310,7 @@ def flat_call(state, layer, g, src_inputs, dst_inputs, mod_args, mod_kwargs, cac
         state.flat_reason = why
         return None
     state.flat_reason = None
-    mean = _aggregation(layer) == "mean"
+    mean = agg == "mean"
     grad = torch.is_grad_enabled()
     outputs = {}
     for d, cets in by_dst.items():

@@ -360,6 +360,50 @@ void row_coefficients_vec(const Gat<float, I>& g, int64_t v, int64_t b, int64_t 
   }
 }
 
+// row_coefficients for one head in float: the entries' scores are contiguous in S, so the exp
+// and scaling passes run kGatVecBytes / 4 entries per vector instead of one at a time (with one
+// head, scalar exp made the score passes cost more than the aggregation at F = 32).
+template <typename I>
+void row_coefficients_one(const Gat<float, I>& g, int64_t v, int64_t b, int64_t deg, int64_t last,
+                          int64_t early, float* __restrict S, float* __restrict mxv, float* __restrict invv) {
+  constexpr int L = kGatVecBytes / static_cast<int>(sizeof(float));
+  using V = typename VecT<float, L>::type;
+  const int64_t F = g.F;
+  const I* __restrict indices = g.indices;
+  const float slope = g.slope, erv = g.er[v];
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < deg; ++j) {
+    if (b + j + kAhead < last) __builtin_prefetch(g.el + static_cast<int64_t>(indices[b + j + kAhead]));
+    prefetch_row(g.feat + static_cast<int64_t>(indices[b + j]) * F, early);
+    const float z = leaky(g.el[indices[b + j]] + erv, slope);
+    S[j] = z;
+    m = std::max(m, z);
+  }
+  V vsum = V{};
+  int64_t j = 0;
+  for (; j + L <= deg; j += L) {
+    V x;
+    std::memcpy(&x, S + j, sizeof x);
+    x = exp_vec(x - m);
+    std::memcpy(S + j, &x, sizeof x);
+    vsum += x;
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < L; ++l) sum += vsum[l];
+  for (; j < deg; ++j) {
+    S[j] = exp_approx(S[j] - m);
+    sum += S[j];
+  }
+  const float r = 1.0f / sum;
+  *mxv = m;
+  *invv = r;
+  if (g.w) {
+    for (int64_t k = 0; k < deg; ++k) S[k] *= r * g.w[edge_id(g.eids, b + k)];
+  } else {
+    for (int64_t k = 0; k < deg; ++k) S[k] *= r;
+  }
+}
+
 template <typename T, typename I>
 using CoefFn = void (*)(const Gat<T, I>&, int64_t, int64_t, int64_t, int64_t, int64_t, T*, T*, T*);
 
@@ -367,6 +411,7 @@ template <typename T, typename I>
 CoefFn<T, I> coefficients_for(int64_t H) {
   if constexpr (std::is_same<T, float>::value) {
     switch (H) {
+      case 1: return &row_coefficients_one<I>;
       case 4: return &row_coefficients_vec<4, I>;
       case 8: return &row_coefficients_vec<8, I>;
       case 16: return &row_coefficients_vec<16, I>;

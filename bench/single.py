@@ -18,11 +18,18 @@ of 100 calls: the first, the calls measured, and the steady median for the calls
 (``rounds.summarise``; steady: after granii's measured tie-break has settled). Layers run in
 eval mode under ``torch.no_grad``.
 
+On new features one more candidate, ``dense``, times ``X W`` alone (``torch.mm`` of new
+``N x k_in`` features by a ``k_in x k_out`` matrix) in the same rounds. Every composition of every
+layer here multiplies ``N`` rows of ``k_in`` features by a weight of at least that size (before or
+after the aggregation), so with torch's GEMM no plan runs faster than that product, and
+``ceiling = dgl_ms / dense_ms`` bounds the steady speedup any plan can reach there.
+
 Correctness, after timing, of the very copies timed: the output on a new tensor and, with the
 same features, on the timed tensor called twice more (the reuse path), against DGL's layer
 (``check.rel_err``).
 """
 import copy
+import statistics
 import time
 import traceback
 
@@ -97,7 +104,8 @@ def measure(model, graph_name, g, k_in, k_out, cost_models, budget=0.6, max_roun
         if features == "new" and "restricted" in cost_models:
             names["restricted"] = cost_models["restricted"]
         try:
-            timing, timed_layers = _time(layer0, g, x, names, features, budget, max_rounds, seed)
+            timing, timed_layers = _time(layer0, g, x, k_out, names, features, budget, max_rounds,
+                                         seed)
             row.update(timing)
             errs = _check(layer0, g, x, timed_layers, features)
             for name, err in errs.items():
@@ -115,7 +123,7 @@ def measure(model, graph_name, g, k_in, k_out, cost_models, budget=0.6, max_roun
     return rows
 
 
-def _time(layer0, g, x, names, features, budget, max_rounds, seed):
+def _time(layer0, g, x, k_out, names, features, budget, max_rounds, seed):
     """``(timing columns, {name: (timed layer, its graph)})``."""
     feats = FreshFeatures(x.shape, seed=seed + 11) if features == "new" else None
     x0 = torch.randn_like(x)
@@ -137,12 +145,18 @@ def _time(layer0, g, x, names, features, budget, max_rounds, seed):
             fns[name] = lambda layer=layer, fg=fg: timed(_call, layer, fg, feats.next())
         else:
             fns[name] = lambda layer=layer, fg=fg: timed(_call, layer, fg, x)
+    if feats:
+        w = torch.randn(x.shape[1], k_out)
+        fns["dense"] = lambda: timed(torch.mm, feats.next(), w)
     opt_layers = [layers[k][0] for k in names if k != "dgl"]
     with OthersMeter() as others:
         samples, steady_from = interleaved(
             fns, max_rounds=max_rounds, min_rounds=5, budget=budget,
             settled=Settling(*opt_layers), cap=CAP * max(budget, 0.5))
     record(row, names, first, samples, steady_from, CALLS)
+    if feats:
+        dense = statistics.median(samples["dense"][steady_from or 0:]) * 1e3
+        row.update(dense_ms=dense, ceiling=row["dgl_ms"] / dense)
     row.update(others_cores=others.cores, time=time.strftime("%H:%M:%S"))
     return row, layers
 

@@ -18,6 +18,13 @@ Seeds (the training nodes of an epoch): a fixed random ``max_seeds`` of the grap
 The first epoch of each candidate (for granii with ``granii(...)`` on its first batch) is timed
 apart and is the warm-up; then at least 3 rounds (at most ``max_rounds``, within ``budget``).
 
+Ceiling: after timing, one more granii epoch runs under ``torch.profiler``; ``dense_share`` is
+the share of its time outside the loader spent in torch's dense products (``aten::mm``, ``addmm``,
+``bmm``). Were everything else granii runs free (its sparse kernels, the elementwise work, the
+loss, the optimizer step, the feature gather), the epoch would still take the sampling plus that
+share, so ``ceiling = dgl_ms / (sampling + dense_share x model time)`` bounds the speedup reachable
+with those products on torch's GEMM.
+
 Correctness: one batch's blocks, one seeded forward and backward of each optimized copy against
 DGL's model (outputs and gradients).
 """
@@ -88,6 +95,21 @@ class Epoch:
         self.batches = n
         self.sampling.append(in_loader)
         return time.perf_counter() - t0
+
+
+DENSE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def dense_share(epoch):
+    """The share of one more epoch of ``epoch`` (outside the loader) spent in torch's dense
+    products, from ``torch.profiler``'s self time of ``DENSE_OPS``."""
+    with torch.profiler.profile() as prof:
+        epoch()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    loader = sum(e.cpu_time_total for e in events if e.key.startswith("enumerate(DataLoader)"))
+    dense = sum(e.self_cpu_time_total for e in events if e.key in DENSE_OPS)
+    return dense / (total - loader) if total > loader else float("nan")
 
 
 def seeds_of(g, max_seeds, seed=0):
@@ -166,6 +188,10 @@ def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=5, max_seed
         row[f"{name}_model_ms"] = (med - sampling) * 1e3
     if "granii" in names:
         row["granii"] = describe(epochs["granii"].model)["plans"]
+        share = dense_share(epochs["granii"])
+        row["dense_share"] = share
+        floor = row["granii_sampling_ms"] + share * row["granii_model_ms"]
+        row["ceiling"] = row["dgl_ms"] / floor if floor > 0 else float("nan")
     row.update(rounds=len(samples["dgl"]), iterations=epochs["dgl"].batches,
                others_cores=others.cores, time=time.strftime("%H:%M:%S"))
     _ratios(row)

@@ -18,12 +18,10 @@ Seeds (the training nodes of an epoch): a fixed random ``max_seeds`` of the grap
 The first epoch of each candidate (for granii with ``granii(...)`` on its first batch) is timed
 apart and is the warm-up; then at least 3 rounds (at most ``max_rounds``, within ``budget``).
 
-Ceiling: after timing, one more granii epoch runs under ``torch.profiler``; ``dense_share`` is
-the share of its time outside the loader spent in torch's dense products (``aten::mm``, ``addmm``,
-``bmm``). Were everything else granii runs free (its sparse kernels, the elementwise work, the
-loss, the optimizer step, the feature gather), the epoch would still take the sampling plus that
-share, so ``ceiling = dgl_ms / (sampling + dense_share x model time)`` bounds the speedup reachable
-with those products on torch's GEMM.
+Ceiling: one more candidate, ``skeleton`` (``bench.skeleton``: the model with each graph layer
+reduced to its dense products on the destination rows), is timed in the same rounds; its epoch is
+what remains when the graph work costs nothing, so ``ceiling = dgl_ms / skeleton_ms`` bounds the
+speedup any plan can reach on torch's GEMM.
 
 Correctness: one batch's blocks, one seeded forward and backward of each optimized copy against
 DGL's model (outputs and gradients).
@@ -45,6 +43,7 @@ from .inputs import fresh_graph
 from .load import OthersMeter
 from .restrict import uses_excluded
 from .rounds import interleaved, median
+from .skeleton import skeleton
 
 BATCH = 1024
 ERRORS = []
@@ -97,21 +96,6 @@ class Epoch:
         return time.perf_counter() - t0
 
 
-DENSE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-
-
-def dense_share(epoch):
-    """The share of one more epoch of ``epoch`` (outside the loader) spent in torch's dense
-    products, from ``torch.profiler``'s self time of ``DENSE_OPS``."""
-    with torch.profiler.profile() as prof:
-        epoch()
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
-    loader = sum(e.cpu_time_total for e in events if e.key.startswith("enumerate(DataLoader)"))
-    dense = sum(e.self_cpu_time_total for e in events if e.key in DENSE_OPS)
-    return dense / (total - loader) if total > loader else float("nan")
-
-
 def seeds_of(g, max_seeds, seed=0):
     n = g.num_nodes()
     if n <= max_seeds:
@@ -162,11 +146,11 @@ def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=5, max_seed
                     f"{tag}fallbacks": desc["fallbacks"], f"{tag}plans": desc["plans"]})
         if name != "granii":
             row[f"{tag}uses_excluded"] = ",".join(used)
-    names = ["dgl"] + [n for n in cost_models if n in checks]
+    names = ["dgl"] + [n for n in cost_models if n in checks] + ["skeleton"]
     epochs, first = {}, {}
     try:
         for name in names:
-            m = copy.deepcopy(model0)
+            m = skeleton(model0) if name == "skeleton" else copy.deepcopy(model0)
             ep = epochs[name] = Epoch(spec, m, fresh_graph(inp.g), inp, seeds, fanouts, seed + 1,
                                       cost_models.get(name))
             first[name] = ep()                # includes granii(...) on the first batch
@@ -188,10 +172,7 @@ def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=5, max_seed
         row[f"{name}_model_ms"] = (med - sampling) * 1e3
     if "granii" in names:
         row["granii"] = describe(epochs["granii"].model)["plans"]
-        share = dense_share(epochs["granii"])
-        row["dense_share"] = share
-        floor = row["granii_sampling_ms"] + share * row["granii_model_ms"]
-        row["ceiling"] = row["dgl_ms"] / floor if floor > 0 else float("nan")
+    row["ceiling"] = row["dgl_ms"] / row["skeleton_ms"]
     row.update(rounds=len(samples["dgl"]), iterations=epochs["dgl"].batches,
                others_cores=others.cores, time=time.strftime("%H:%M:%S"))
     _ratios(row)

@@ -142,10 +142,8 @@ def task_detail(df, task):
         row = [MODEL_NAMES.get(r.model, r.model), r.graph, ms(r.get("dgl_ms")),
                ms(r.get("granii_ms")), first]
         if task == "minibatch":
-            share = r.get("dense_share")
             row += [f"{ms(r.get('dgl_sampling_ms'))}", fmt(r.get("speedup_model")),
-                    f"{100 * share:.0f}%" if share == share and share is not None else "-",
-                    fmt(r.get("ceiling"))]
+                    ms(r.get("skeleton_ms")), fmt(r.get("ceiling"))]
         row += [("~~" + fmt(r.speedup) + "~~ FAIL") if bad else f"**{fmt(r.speedup)}**",
                 fmt(r.get("speedup_steady")), fmt(r.get("joint_gain")),
                 f"{int(r.rounds) if r.get('rounds') == r.get('rounds') else '-'}",
@@ -155,8 +153,7 @@ def task_detail(df, task):
     total = {"train": "200 epochs", "infer": "100 calls", "minibatch": "epoch"}[task]
     header = ["model", "graph", f"DGL {unit}", f"granii {unit}", "first DGL / granii ms"]
     if task == "minibatch":
-        header += ["sampling ms", "without sampling", "granii's time in dense products",
-                   "ceiling"]
+        header += ["sampling ms", "without sampling", "skeleton epoch ms", "ceiling"]
     header += [f"speedup ({total})", "steady", "joint gain", "rounds", "layers optimized"]
     return table(header, rows)
 
@@ -385,9 +382,10 @@ HOW = """\
   candidate is timed apart. granii ranks the plans on the first block; the best predicted ones and
   DGL's forward then take turns on the next blocks of the same sampler configuration (forward and
   backward timed, divided by each block's size) and the fastest serves the later blocks.
-  `ceiling`: one more granii epoch under `torch.profiler` gives the share of its time (loader
-  excluded) in torch's dense products (`mm`, `addmm`, `bmm`); DGL's epoch over (sampling + that
-  share of granii's epoch without sampling) is the speedup reachable if everything else were free.
+  `skeleton`: the same epoch with each graph layer reduced to its dense products on the
+  destination rows (`bench/skeleton.py`: no aggregation, no attention; sampling, feature gather,
+  dropout, loss and optimizer as they are), timed in the same rounds; `ceiling` = DGL's epoch over
+  it, the speedup no plan on torch's GEMM can pass.
 * Single layers: one layer in inference at `(k_in, k_out)` from {32, 128, 512}; `new features`
   as above, `same features again` passes one tensor every call (granii may keep work on it; for
   SGConv DGL's column is `SGConv(cached=True)` with the same weights). 100 calls, first call

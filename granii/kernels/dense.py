@@ -22,6 +22,8 @@ def head_dot_torch(x, d):
     F multiply-adds per output instead of the dense product's H F. ``a`` is read off ``d`` (each
     of its rows holds one entry), so gradients reach the attention parameter through ``d``."""
     heads = d.shape[1]
+    if heads == 1:      # a matrix-vector product: one pass over X, no X-sized temporary
+        return x @ d
     a = d.sum(1).reshape(heads, -1)
     return (x.reshape(x.shape[0], heads, -1) * a).sum(-1)
 

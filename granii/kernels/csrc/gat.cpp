@@ -360,14 +360,34 @@ void row_coefficients_vec(const Gat<float, I>& g, int64_t v, int64_t b, int64_t 
   }
 }
 
+// S[j] = exp(S[j] - m) for j < n, a vector of entries at a time; returns their sum.
+inline float exp_shift_sum(float* __restrict S, int64_t n, float m) {
+  constexpr int L = kGatVecBytes / static_cast<int>(sizeof(float));
+  using V = typename VecT<float, L>::type;
+  V vsum = V{};
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    V x;
+    std::memcpy(&x, S + j, sizeof x);
+    x = exp_vec(x - m);
+    std::memcpy(S + j, &x, sizeof x);
+    vsum += x;
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < L; ++l) sum += vsum[l];
+  for (; j < n; ++j) {
+    S[j] = exp_approx(S[j] - m);
+    sum += S[j];
+  }
+  return sum;
+}
+
 // row_coefficients for one head in float: the entries' scores are contiguous in S, so the exp
 // and scaling passes run kGatVecBytes / 4 entries per vector instead of one at a time (with one
 // head, scalar exp made the score passes cost more than the aggregation at F = 32).
 template <typename I>
 void row_coefficients_one(const Gat<float, I>& g, int64_t v, int64_t b, int64_t deg, int64_t last,
                           int64_t early, float* __restrict S, float* __restrict mxv, float* __restrict invv) {
-  constexpr int L = kGatVecBytes / static_cast<int>(sizeof(float));
-  using V = typename VecT<float, L>::type;
   const int64_t F = g.F;
   const I* __restrict indices = g.indices;
   const float slope = g.slope, erv = g.er[v];
@@ -379,22 +399,7 @@ void row_coefficients_one(const Gat<float, I>& g, int64_t v, int64_t b, int64_t 
     S[j] = z;
     m = std::max(m, z);
   }
-  V vsum = V{};
-  int64_t j = 0;
-  for (; j + L <= deg; j += L) {
-    V x;
-    std::memcpy(&x, S + j, sizeof x);
-    x = exp_vec(x - m);
-    std::memcpy(S + j, &x, sizeof x);
-    vsum += x;
-  }
-  float sum = 0.0f;
-  for (int l = 0; l < L; ++l) sum += vsum[l];
-  for (; j < deg; ++j) {
-    S[j] = exp_approx(S[j] - m);
-    sum += S[j];
-  }
-  const float r = 1.0f / sum;
+  const float r = 1.0f / exp_shift_sum(S, deg, m);
   *mxv = m;
   *invv = r;
   if (g.w) {
@@ -958,6 +963,24 @@ at::Tensor edge_softmax_forward(const at::Tensor& indptr, const c10::optional<at
       const T* px = x.data_ptr<T>();
       T* py = y.data_ptr<T>();
       parallel_rows(ip, rows, (ip[rows] - ip[0]) * K * 4, [&](int64_t r0, int64_t r1) {
+        if constexpr (std::is_same<T, float>::value) {
+          if (K == 1) {     // one score per edge: gathered into a row buffer, exp vectorised
+            std::vector<float> buf;
+            for (int64_t v = r0; v < r1; ++v) {
+              const int64_t b = ip[v], deg = ip[v + 1] - b;
+              if (deg == 0) continue;
+              if (static_cast<int64_t>(buf.size()) < deg) buf.resize(deg);
+              float mv = -std::numeric_limits<float>::infinity();
+              for (int64_t j = 0; j < deg; ++j) {
+                buf[j] = px[edge_id(ei, b + j)];
+                mv = std::max(mv, buf[j]);
+              }
+              const float r = 1.0f / exp_shift_sum(buf.data(), deg, mv);
+              for (int64_t j = 0; j < deg; ++j) py[edge_id(ei, b + j)] = buf[j] * r;
+            }
+            return;
+          }
+        }
         std::vector<T> m(K), s(K);
         for (int64_t v = r0; v < r1; ++v) {
           const int64_t b = ip[v], e = ip[v + 1];

@@ -30,8 +30,8 @@ _ORDER = {GE: {("k_out", "k_in"), ("N_dst", "N_src")},
 def signature(node):
     """``(primitive, once_per_graph, sizes)`` of the call that computes ``node`` (an inner node
     of an association tree or of the IR), or ``None`` for what is not priced (inline steps)."""
-    if isinstance(node, ir.Add):
-        return None if node.b.rows == "1" else ("add", False, (node.rows, node.cols))
+    if isinstance(node, ir.Add):      # a bias too: broadcast over the rows, it is a pass over them
+        return "add", False, (node.rows, node.cols)
     if isinstance(node, ir.Cat):
         return "cat", False, (node.rows, node.cols)
     if isinstance(node, ir.EdgeScore):

@@ -106,8 +106,12 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
         needed = () if step.prim in ("add", "cat") else tuple(
             i for i in needed if i not in bias and not (step.prim == "gemm" and i == 2))
         extra = len(bias) * _column_sum_seconds(model, step.prim, gi, dims) if bias else 0.0
+        # a bias add reads one matrix, not two: a row scaling's pass, not PASSES["add"]'s
+        scale = 1 / PASSES["add"][1] if step.prim == "add" and any(
+            _is_row(plan, a) for a in step.args) else 1.0
         for impl in step_impls(step):
-            t = step_seconds(model, step.prim, impl, gi, dims, _heads(plan), needed) + extra
+            t = scale * step_seconds(model, step.prim, impl, gi, dims, _heads(plan),
+                                     needed) + extra
             if (step.prim, impl) == ("gemm", "native"):       # reads X's nonzeros only
                 t *= sparse_rows.time_ratio(_density(plan, symbols, step.args[0]))
             amortised = step.when == GRAPH or (step.when == INPUT and cacheable)

@@ -11,7 +11,9 @@ Records go to ``<run_dir>/points.jsonl``, one JSON line per (point, implementati
 
 and the features of each graph to ``<run_dir>/graphs.jsonl``. A point's lines are written together
 and flushed, so an interrupted run loses at most the point in progress; a resumed run reads the
-keys back and skips them (skipped points included). Implementations of a point run side by side
+keys back and skips them (skipped points included), unless the records were measured with other
+native kernels than the ones loaded now (``kernels.json`` in the run directory holds the hash of
+their sources): then it starts over, so no model is trained on timings of two builds. Implementations of a point run side by side
 (``profiler.timing.side_by_side``) so load on the machine hits all of them alike.
 """
 import gc
@@ -232,6 +234,27 @@ def _rows(key, prim, impls, graph, sizes, shape, status, timings=None, reason=No
     return rows
 
 
+KERNELS = "kernels.json"
+
+
+def kernels_build():
+    """What the timings depend on besides the machine: the native kernels loaded (the hash of
+    the sources they were built from), or ``"none"`` without them."""
+    from granii.kernels import native
+    if not native.available():
+        return "none"
+    built = getattr(native._MODULE, "sources_sha", None)
+    return built[1:] if built else (native.sources_sha() or "unknown")
+
+
+def _kernels_stamp(run_dir):
+    """The ``kernels_build()`` a run's records were measured with, or ``None`` (not recorded)."""
+    try:
+        return json.loads((Path(run_dir) / KERNELS).read_text())["native_kernels"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class _Run:
     """State of one profiling run: config, files, done keys, counters, progress bar."""
 
@@ -241,9 +264,15 @@ class _Run:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.points = self.dir / POINTS
         self.graphs = self.dir / GRAPHS
-        if not resume:
+        stale = resume and self.points.is_file() and _kernels_stamp(self.dir) != kernels_build()
+        if stale:
+            log(f"granii: the records in {self.dir} were measured with other native kernels "
+                f"({_kernels_stamp(self.dir) or 'unrecorded'}, now {kernels_build()}): "
+                "profiling again from the start")
+        if not resume or stale:
             for p in (self.points, self.graphs):
                 p.unlink(missing_ok=True)
+        (self.dir / KERNELS).write_text(json.dumps({"native_kernels": kernels_build()}) + "\n")
         self.done = done_keys(self.dir, retry_contended)
         self.known_graphs = graph_table(self.dir)
         self.log = log

@@ -10,7 +10,7 @@ from granii.learned import TRAIN_GRADS, LearnedCost, load
 from profiler import generators as gen
 from profiler import points as pts
 from profiler import harness
-from profiler.harness import POINTS, approx_size, done_keys, read_jsonl
+from profiler.harness import POINTS, approx_size, done_keys, kernels_build, read_jsonl
 from profiler.train import train
 
 GRAPHS = ["uniform:n=200,m=800,seed=0,undirected=0", "grid2d:rows=10,cols=12"]
@@ -81,6 +81,24 @@ def test_resume_skips_finished_points(tmp_path):
     resumed = profile(tiny(), run, progress=False, log=_quiet)
     assert sum(c.get("ok", 0) for c in resumed["counts"].values()) == 1
     assert last_key in done_keys(run)
+
+
+def test_records_of_other_kernels_are_measured_again(tmp_path):
+    """A resumed run whose records came from another build of the native kernels (or from before
+    builds were recorded) says so and measures every point again."""
+    run = tmp_path / "run"
+    profile(tiny(ks=[16]), run, progress=False, log=_quiet)
+    n = len(_points(run))
+    assert json.loads((run / "kernels.json").read_text())["native_kernels"] == kernels_build()
+    (run / "kernels.json").write_text(json.dumps({"native_kernels": "an-older-build"}))
+    said = []
+    again = profile(tiny(ks=[16]), run, progress=False, log=said.append)
+    assert any("other native kernels" in line and "an-older-build" in line for line in said)
+    assert sum(c.get("resumed", 0) for c in again["counts"].values()) == 0
+    assert len(_points(run)) == n
+    (run / "kernels.json").unlink()                  # a run from before the stamp existed
+    again = profile(tiny(ks=[16]), run, progress=False, log=_quiet)
+    assert sum(c.get("resumed", 0) for c in again["counts"].values()) == 0
 
 
 def test_no_resume_starts_over(tmp_path):

@@ -23,14 +23,18 @@ Rules, each fitted without the graph it is scored on (leave one graph out):
 * ``DGL layer``   DGL's own layer, always.
 
 A rule's plan that was not timed on a configuration (it failed there) counts as the worst timed
-candidate. Writes ``selection_rules_<threads>t.md`` (summary per layer and mode, how often the
-fastest candidate was a plan pruning removed and how much slower the fastest promoted plan was
-then, and a map of granii's choices over graphs and sizes)
+candidate. Candidates whose generated programs are the same (two association trees that fuse to
+one plan) are one candidate, timed as the mean of the copies (``merge_same_code``); the spread
+between copies measures the noise. Writes ``selection_rules_<threads>t.md`` (summary per layer and
+mode, how often the fastest candidate was a plan pruning removed, in all and by more than that
+noise, and how much slower the fastest promoted plan was then, and a map of granii's choices over
+graphs and sizes)
 and ``selection_rules_<threads>t.csv``.
 """
 import argparse
 import json
 import math
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -43,8 +47,9 @@ from bench.csvfile import write_csv  # noqa: E402
 from granii.datasets import load_graph  # noqa: E402
 from granii.learned import default_cost_model  # noqa: E402
 from granii.select import rank, trial_candidates  # noqa: E402
-from scripts.validate_costmodels import (_canonical, _key_text, make_layer, prepared,  # noqa: E402
-                                         timed_candidates)
+from granii.plan import compile_plan  # noqa: E402
+from scripts.validate_costmodels import (_canonical, _key_text, candidates, make_layer,  # noqa: E402
+                                         prepared, timed_candidates)
 
 DGL = "dgl-layer"
 RULES = ("granii", "granii + trial", "per model", "per sizes", "nearest graph", "DGL layer")
@@ -71,8 +76,42 @@ def load_rows(path, threads, metric):
         if g is None:
             g = graphs[r["graph"]] = load_graph(r["graph"])
         call, _ = prepared(make_layer(r["layer"], r["k_in"], r["k_out"]), g, r["k_in"], r["mode"])
-        r["t"] = timed_candidates(r[metric], call)
+        r["t"], r["spread"] = merge_same_code(timed_candidates(r[metric], call), call)
     return list(rows.values())
+
+
+_NAME = re.compile(r"\bt\d+\b")
+_KEY = re.compile(r"(once_per_(?:input|graph)\(gi, )'[^']*'")
+
+
+def program(plan, impls):
+    """The generated code of ``plan`` with ``impls``, without what does not change what runs
+    (the function's name, comments, cache keys, the numbering of temporaries)."""
+    _, src = compile_plan(plan, impls)
+    body = [ln for ln in src.splitlines()[1:] if not ln.strip().startswith("#")]
+    text = _KEY.sub(r"\1''", "\n".join(body))
+    names = {}
+    return _NAME.sub(lambda m: names.setdefault(m.group(0), f"v{len(names)}"), text)
+
+
+def merge_same_code(times, call):
+    """``(times, spreads)``: candidates whose programs are the same (two association trees that
+    fuse to one plan) are one candidate measured several times, so each gets the mean of their
+    times; otherwise the fastest of every candidate would be the luckiest of the copies.
+    ``spreads``: slowest / fastest time of each such group, the noise of the measurement."""
+    cands = candidates(call, pruned=True)
+    groups = {}
+    for key, (plan, impls) in cands.items():
+        k = _key_text(key)
+        if k in times:
+            groups.setdefault(program(plan, impls), []).append(k)
+    out, spreads = dict(times), []
+    for keys in groups.values():
+        if len(keys) > 1:
+            ts = [times[k] for k in keys]
+            spreads.append(max(ts) / min(ts))
+            out.update({k: sum(ts) / len(ts) for k in keys})
+    return out, spreads
 
 
 def time_of(row, key):
@@ -139,22 +178,32 @@ def evaluate(rows, model):
                  "per sizes": fit(same_sizes), "nearest graph": near, "DGL layer": DGL}
         best = min(r["t"], key=r["t"].get)
         rec = {k: r[k] for k in ("layer", "graph", "k_in", "k_out", "mode")}
-        promoted = [t for k, t in r["t"].items() if not k.startswith("p") and k != DGL]
-        rec.update(oracle=best, oracle_pruned=best.startswith("p"), granii_plan=chosen[id(r)][1],
-                   candidates=len(r["t"]),
-                   pruning_cost=min(promoted) / oracle(r) if promoted else float("nan"))
+        promoted = [t for k, t in r["t"].items() if not k.startswith("p")]
+        cost = min(promoted) / oracle(r) if promoted else float("nan")
+        rec.update(oracle=best, oracle_pruned=cost > 1, granii_plan=chosen[id(r)][1],
+                   candidates=len(r["t"]), pruning_cost=cost,
+                   spread=max(r["spread"]) if r["spread"] else float("nan"))
         for rule, key in picks.items():
             rec[rule] = time_of(r, key) / oracle(r) if key is not None else float("nan")
         out.append(rec)
     return out
 
 
+def noise(recs):
+    """The 90th percentile of the spread between copies of one program (``merge_same_code``):
+    time differences below it are within the measurement's noise."""
+    spreads = sorted(e["spread"] for e in recs if e["spread"] == e["spread"])
+    return spreads[int(0.9 * (len(spreads) - 1))] if spreads else 1.0
+
+
 def summary_lines(recs):
     groups = {}
     for e in recs:
         groups.setdefault((e["layer"], e["mode"]), []).append(e)
+    floor = noise(recs)
     head = "| layer | mode | n | " + " | ".join(f"{r} geomean / worst" for r in RULES) + \
-        " | fastest was pruned | fastest promoted / fastest, worst |"
+        f" | fastest was pruned (by more than the noise, {floor:.2f}x) | " \
+        "fastest promoted / fastest, worst |"
     lines = [head, "|---|---|---:|" + "---:|" * len(RULES) + "---:|---:|"]
     for (layer, mode), es in sorted(groups.items()) + [(("**all**", ""), recs)]:
         cells = []
@@ -162,9 +211,10 @@ def summary_lines(recs):
             v = [e[rule] for e in es if e[rule] == e[rule]]
             cells.append(f"{geomean(v):.3f} / {max(v):.2f}" if v else "-")
         pruned = sum(e["oracle_pruned"] for e in es)
+        beyond = sum(e["pruning_cost"] > floor for e in es)
         cost = [e["pruning_cost"] for e in es if e["pruning_cost"] == e["pruning_cost"]]
         lines.append(f"| {layer} | {mode} | {len(es)} | " + " | ".join(cells) +
-                     f" | {pruned}/{len(es)} | {max(cost):.2f} |")
+                     f" | {pruned}/{len(es)} ({beyond}) | {max(cost):.2f} |")
     return lines
 
 
@@ -229,7 +279,11 @@ def main(argv=None):
              f"{args.metric}` from `{args.times.resolve().relative_to(ROOT)}` ({len(recs)} configurations; "
              f"cost model: {model.name}). Regret = time of the rule's plan / time of the fastest of "
              "every enumerated plan (pruned ones too) with every kernel implementation and DGL's "
-             "own layer. Fixed rules are fitted on the other graphs (leave one graph out).", ""]
+             "own layer. Fixed rules are fitted on the other graphs (leave one graph out). "
+             "Candidates whose generated programs are the same (association trees that fuse to "
+             "one plan) count as one, timed as the mean of their copies; between copies of one "
+             f"program the slower took up to {noise(recs):.2f}x the faster's time in 90% of "
+             "configurations: the measurement's noise.", ""]
     lines += summary_lines(recs) + ["", "### granii against the best fixed rule", ""]
     lines += versus_lines(recs) + ["", "### Decision map: granii's plan (its regret)"]
     lines += map_lines(recs)

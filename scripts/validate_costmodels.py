@@ -465,7 +465,7 @@ def selection_main(args):
         sizes = [tuple(int(x) for x in s.split(",")) for s in args.sizes] if args.sizes \
             else LAYER_SIZES
         measure_layers(args.graphs or LAYER_GRAPHS, args.layers, sizes, args.modes, probe,
-                       args.wait, log, path, threads)
+                       args.wait, log, path, threads, repeat=args.repeat)
     if not args.report:
         return 0
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -475,9 +475,9 @@ def selection_main(args):
     models, notes = selection_models(threads, args.models, foreign)
     contended = sum(r["contended"] for r in rows)
     lines = []
-    for metric, what in (("min_times", "fastest of 3 rounds, wall clock"),
-                         ("cpu_times", "least process CPU time of 3 rounds"),
-                         ("times", "median of 3 rounds, wall clock")):
+    for metric, what in (("min_times", "fastest round, wall clock"),
+                         ("cpu_times", "least process CPU time of a round"),
+                         ("times", "median round, wall clock")):
         choices = layer_choices(rows, models, metric)
         write_csv(out / f"selection_{threads}t_{metric}.csv", choices)
         lines += regret_markdown(
@@ -501,6 +501,8 @@ def main(argv=None):
         ap.add_argument("--threads", type=int, default=2)
         ap.add_argument("--graphs", nargs="+", choices=GRAPHS)
         ap.add_argument("--modes", nargs="+", default=["infer", "train"])
+        ap.add_argument("--repeat", type=int, default=3,
+                        help="rounds of every candidate per configuration (default 3)")
         ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
         ap.add_argument("--sizes", nargs="+", help="k_in,k_out pairs (default: "
                         + " ".join(f"{a},{b}" for a, b in LAYER_SIZES) + ")")
@@ -714,7 +716,7 @@ def measure_layers(graphs, layers, sizes, modes, probe, wait, log, out_path, thr
                 wall, cpu = two_clocks(fns, repeat=repeat)
             contended = max(before, probe.seconds()) > probe.threshold
             row = {"layer": lname, "graph": gname, "k_in": k_in, "k_out": k_out, "mode": mode,
-                   "threads": threads, "contended": contended,
+                   "threads": threads, "contended": contended, "repeat": repeat,
                    "times": {k: statistics.median(v) for k, v in wall.items()},
                    "min_times": {k: min(v) for k, v in wall.items()},
                    "cpu_times": {k: min(v) for k, v in cpu.items()}, "failed": failed}

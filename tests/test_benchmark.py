@@ -192,3 +192,15 @@ def test_skeleton_is_the_layers_dense_part(name):
         # attention vectors get no gradient in the skeleton; through a one-edge softmax, zero
         q_grad = torch.zeros_like(p) if q.grad is None and "attn" in pn else q.grad
         torch.testing.assert_close(q_grad, p.grad, rtol=1e-5, atol=1e-6, msg=pn)
+
+
+def test_smooth_relu_only_while_open():
+    """The re-check of a failed training comparison swaps ReLU for GELU, and only inside it."""
+    import torch.nn.functional as F
+    from bench import check
+    x = torch.linspace(-2, 2, 9)
+    with check.smooth_relu():
+        torch.testing.assert_close(F.relu(x), F.gelu(x))
+        torch.testing.assert_close(torch.relu(x), F.gelu(x))
+    torch.testing.assert_close(F.relu(x), x.clamp(min=0))
+    torch.testing.assert_close(torch.relu(x), x.clamp(min=0))

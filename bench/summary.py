@@ -396,7 +396,10 @@ HOW = """\
   parameter after one seeded forward and backward (the same dropout masks), and eval outputs on
   new features; single layers after timing, on the very copies timed (a new tensor, and the same
   tensor again). A configuration passes when every difference is within 1e-3 of the largest
-  value; one that fails is listed above and left out of every mean.
+  value; a training comparison that fails is made again with the ReLUs between layers replaced
+  by GELU (`bench/check.py`: in float32 a value that rounding moves across zero flips a ReLU's
+  derivative; a wrong plan still differs under GELU), and passes if that one does. One that
+  fails is listed above and left out of every mean.
 * The earlier suite (every promoted plan of a layer timed against the chosen one, PyG, overheads
   against graph size) runs with `--parts sweep,overhead,e2e` and writes `sweep.md`; its last
   full results are in the history of this folder (commit cda4efd).

@@ -89,3 +89,31 @@ def test_tagconv_concatenation_is_a_candidate_for_wide_outputs():
     assert any(p.composition().count("gemm") == 3 for p in plans)     # split: one per hop
     assert (n, len(plans)) == (178, 14)
 
+
+
+def test_a_bias_added_after_the_aggregation_is_priced_as_a_pass():
+    """GraphConv's bias added in its own pass costs one pass over the output (priced as a row
+    scaling of that size); written by the fused SpMM's epilogue it costs nothing extra."""
+    import torch
+    from dgl.nn import GraphConv
+    from granii.dispatch import new_state, prepare
+    from granii.select import price
+    from graphs import undirected
+
+    g = undirected()
+    layer = GraphConv(8, 4, norm="both", allow_zero_in_degree=True)
+    with torch.no_grad():
+        call = prepare(new_state(layer, "conv"), layer, (g, torch.randn(g.num_nodes(), 8)), {})
+
+    class OnlyPasses:
+        name = "only passes"
+
+        def predict(self, prim, impl, gi, dims):
+            return 1.0 if prim == "row_scale" else 0.0
+
+    costs = {}
+    for plan in call.compiled.plans:
+        if plan.composition() in ("sddmm_scale -> gemm -> spmm_weighted", "gemm -> spmm_norm"):
+            c = price(plan, call.gi, call.symbols, OnlyPasses(), False, False, 1)
+            costs[plan.composition()] = c.cost
+    assert costs == {"sddmm_scale -> gemm -> spmm_weighted": 1.0, "gemm -> spmm_norm": 0.0}

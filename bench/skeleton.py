@@ -46,7 +46,7 @@ LAYERS = (GraphConv, SAGEConv, GATConv)
 def skeleton(model):
     """A copy of ``model`` with each graph layer replaced by its ``Skeleton``."""
     model = copy.deepcopy(model)
-    for name, child in list(model.named_modules()):
+    for child in list(model.modules()):
         for attr, sub in list(child.named_children()):
             if isinstance(sub, LAYERS):
                 setattr(child, attr, Skeleton(sub))

@@ -13,8 +13,9 @@ and the features of each graph to ``<run_dir>/graphs.jsonl``. A point's lines ar
 and flushed, so an interrupted run loses at most the point in progress; a resumed run reads the
 keys back and skips them (skipped points included), unless the records were measured with other
 native kernels than the ones loaded now (``kernels.json`` in the run directory holds the hash of
-their sources): then it starts over, so no model is trained on timings of two builds. Implementations of a point run side by side
-(``profiler.timing.side_by_side``) so load on the machine hits all of them alike.
+their sources): then it starts over, so no model is trained on timings of two builds.
+Implementations of a point run side by side (``profiler.timing.side_by_side``) so load on the
+machine hits all of them alike.
 """
 import gc
 import json
@@ -243,8 +244,7 @@ def kernels_build():
     from granii.kernels import native
     if not native.available():
         return "none"
-    built = getattr(native._MODULE, "sources_sha", None)
-    return built[1:] if built else (native.sources_sha() or "unknown")
+    return native.built_sha(native._MODULE) or native.sources_sha() or "unknown"
 
 
 def _kernels_stamp(run_dir):
@@ -264,15 +264,15 @@ class _Run:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.points = self.dir / POINTS
         self.graphs = self.dir / GRAPHS
-        stale = resume and self.points.is_file() and _kernels_stamp(self.dir) != kernels_build()
+        was, now = _kernels_stamp(self.dir), kernels_build()
+        stale = resume and self.points.is_file() and was != now
         if stale:
             log(f"granii: the records in {self.dir} were measured with other native kernels "
-                f"({_kernels_stamp(self.dir) or 'unrecorded'}, now {kernels_build()}): "
-                "profiling again from the start")
+                f"({was or 'unrecorded'}, now {now}): profiling again from the start")
         if not resume or stale:
             for p in (self.points, self.graphs):
                 p.unlink(missing_ok=True)
-        (self.dir / KERNELS).write_text(json.dumps({"native_kernels": kernels_build()}) + "\n")
+        (self.dir / KERNELS).write_text(json.dumps({"native_kernels": now}) + "\n")
         self.done = done_keys(self.dir, retry_contended)
         self.known_graphs = graph_table(self.dir)
         self.log = log

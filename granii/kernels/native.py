@@ -60,6 +60,13 @@ def sources_sha():
     return h.hexdigest()[:16]
 
 
+def built_sha(mod):
+    """The ``sources_sha()`` the extension module ``mod`` was compiled from (compiled in as
+    ``h<hex>``), or ``None`` when it does not say."""
+    built = getattr(mod, "sources_sha", None)
+    return built[1:] if built else None
+
+
 def _load():
     """``(module or None, reason)``: import the extension; warn once if it is missing or stale."""
     try:
@@ -69,8 +76,7 @@ def _load():
                   f"Build them with: bash scripts/env.sh (needs a C++ compiler)")
         warnings.warn(reason, NativeKernelsUnavailable, stacklevel=3)
         return None, reason
-    built, here = getattr(mod, "sources_sha", None), sources_sha()
-    built = built[1:] if built else built        # compiled as h<hex>
+    built, here = built_sha(mod), sources_sha()
     if here is not None and built is not None and built != here:
         warnings.warn(f"granii: the native kernels in {Path(mod.__file__).name} were built from "
                       f"other sources than granii/kernels/csrc/ now holds; rebuild with: "

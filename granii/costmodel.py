@@ -80,7 +80,7 @@ def concrete_dims(sig, symbols):
     """The ``dims`` dict of a step's signature, its size symbols replaced by their values."""
     prim, _, sizes = sig
     vals = [s if isinstance(s, (int, float)) else size_value(s, symbols) for s in sizes]
-    if prim in ("gemm", "head_dot"):
+    if prim in ("gemm", "head_dot", "head_gemm"):
         return {"m": vals[0], "k": vals[1], "n": vals[2]}
     if prim.startswith("spmm"):
         return {"n": symbols.get("N_dst", symbols.get("N")), "k": vals[1]}

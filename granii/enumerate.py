@@ -11,7 +11,15 @@ on the operands' attributes (``merge_rule``):
     sparse (unweighted) . dense    -> spmm
     sparse (weighted) . dense      -> spmm_weighted
     dense . dense                  -> gemm
+    sparse (H heads) . dense X     -> spmm_heads   (X not split in heads: [A_1 X | .. | A_H X])
+    headed . dense W               -> head_gemm    (block h times W's block of head h)
     anything else (sparse . sparse, dense . sparse) has no primitive: the merge is not a candidate.
+
+With H attention heads, ``A_alpha X W`` means ``[A_1 X W_1 | .. | A_H X W_H]`` (``W_h``: the
+columns of head h). ``A_alpha (X W)`` is one weighted SpMM over the heads' blocks; ``(A_alpha X) W``
+aggregates X once per head and then multiplies each head's sum by its own block: fewer
+multiply-adds where X has fewer columns than the heads' total, or where the result has fewer
+rows than X (a sampled block: W then runs on the destination rows only).
 
 Algorithm 1 explores merges depth-first and collects each finished tree; the same tree is reached
 through many merge orders. ``association_trees`` enumerates the same forest directly (each tree once)
@@ -48,6 +56,12 @@ class Node:
 
 def merge_rule(a, b):
     """``(primitive, kind, sub)`` of the product ``a . b``, or ``None`` if no primitive computes it."""
+    if a.sub == ir.HEADED:
+        wide = a.parts[0].head_cols
+        ok = b.kind == ir.DENSE and b.sub == ir.WEIGHT and b.cols == wide
+        return ("head_gemm", ir.DENSE, ir.DATA) if ok else None
+    if b.sub == ir.HEADED:
+        return None
     if a.sub == ir.SELECTION:
         return ("row_slice", b.kind, b.sub) if b.kind == ir.DENSE else None
     if a.sub == ir.SCALAR:
@@ -55,7 +69,8 @@ def merge_rule(a, b):
     if b.sub in (ir.SCALAR, ir.SELECTION):
         return None
     if getattr(a, "heads", 1) > 1 and b.cols != a.head_cols:
-        return None      # per-head edge values only multiply features split into those heads
+        # features not split into the heads: each head sums them with its own edge values
+        return ("spmm_heads", ir.DENSE, ir.HEADED) if b.kind == ir.DENSE else None
     da, db = a.sub == ir.DIAGONAL, b.sub == ir.DIAGONAL
     if da and db:
         return "diag_mul", ir.SPARSE, ir.DIAGONAL

@@ -44,6 +44,8 @@ DATA, WEIGHT = "data", "weight"
 UNWEIGHTED, WEIGHTED, DIAGONAL = "unweighted", "weighted", "diagonal"
 SCALAR = "scalar"            # c I: a learnable or fixed scalar times the identity (GIN's 1 + eps)
 SELECTION = "selection"      # S = [I 0]: the destination rows of a block's sources
+HEADED = "headed"            # [A_1 X | .. | A_H X]: one block per attention head, each waiting for
+                             # that head's block of the weight (an intermediate, never a leaf)
 
 
 def cached_hash(cls):

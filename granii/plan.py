@@ -166,7 +166,7 @@ def lower(index, root, choice, scenarios=(), heads=None):
             args = (names.get(d_dst), edge_values(adj), names.get(d_src))
         elif n.prim in ("spmm", "row_slice"):
             args = (names[n.parts[1]],)
-        elif n.prim == "spmm_weighted":
+        elif n.prim in ("spmm_weighted", "spmm_heads"):
             args = (edge_values(n.parts[0]), names[n.parts[1]])
         else:
             args = (names[n.parts[0]], names[n.parts[1]])
@@ -245,7 +245,7 @@ def ir_leaves(n):
 
 def _call(step, impl):
     fn = f"{step.prim}_{impl}"
-    graph_first = step.prim not in ("gemm", "head_dot", "row_scale", "diag_mul")
+    graph_first = step.prim not in ("gemm", "head_gemm", "head_dot", "row_scale", "diag_mul")
     args = (["gi"] if graph_first else []) + [a if a is not None else "None" for a in step.args]
     return f"{fn}({', '.join(args)})"
 

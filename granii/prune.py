@@ -3,7 +3,8 @@
 Each tree is a multiset of primitive calls; a call's *signature* is its primitive, whether it runs
 once per graph, and the symbolic sizes of its operands:
 
-    gemm (m, k, n)   spmm / spmm_weighted (E, k)   row_scale (n, k)   sddmm_scale (E,)   diag_mul (n,)
+    gemm / head_gemm (m, k, n)   spmm / spmm_weighted / spmm_heads (E, k)   row_scale (n, k)
+    sddmm_scale (E,)   diag_mul (n,)
 
 Two embedding-size scenarios are considered, ``k_in >= k_out`` and ``k_in < k_out``; in both
 ``N_dst <= N_src`` (a block's destinations are a prefix of its sources). Tree ``T`` is pruned in a
@@ -42,12 +43,12 @@ def signature(node):
         return node.prim, False, ("E", node.cols)
     if not hasattr(node, "parts"):
         return None
-    if node.prim == "gemm":
+    if node.prim in ("gemm", "head_gemm"):
         left = node.parts[0]
         dims = (left.rows, left.cols, node.cols)
-        if is_head_diag(node.parts[1]):
+        if node.prim == "gemm" and is_head_diag(node.parts[1]):
             return "head_dot", node.graph_only, dims
-    elif node.prim in ("spmm", "spmm_weighted"):
+    elif node.prim in ("spmm", "spmm_weighted", "spmm_heads"):
         dims = ("E", node.cols)
     elif node.prim in ("row_scale", "row_slice"):
         dims = (node.rows, node.cols)

@@ -38,6 +38,8 @@ EXPECTED_CALLS = 100
 # same size (read it, write it): primitive -> (the size naming its rows, passes). An addition
 # reads two operands; GAT's per-head scores read X and write a narrow result.
 PASSES = {"add": ("n", 1.5), "cat": ("n", 1.0), "head_dot": ("m", 1.0)}
+# per-head primitives priced from a one-head one (``_per_head``), operands in the same places
+ONE_HEAD = {"spmm_heads": "spmm_weighted", "head_gemm": "gemm"}
 TRIAL_MARGIN = 1.3       # plans predicted within this factor of the best are timed too
 TRIAL_PLANS = 2          # at most this many plans take turns (with the layer's own forward)
 
@@ -76,18 +78,31 @@ def rank(plans, gi, symbols, model, training=False, input_grad=False,
 
 def trial_candidates(ranking, margin=TRIAL_MARGIN, most=TRIAL_PLANS):
     """The choices a measured tie-break times on the first calls (besides the layer's own
-    forward): the best predicted, then the next ones predicted within ``margin`` of it that run
-    other kernels (another composition or implementation), at most ``most`` in all."""
+    forward): the best predicted, then the next ones predicted within ``margin`` of it whose work
+    on the graph differs (``graph_work``), at most ``most`` in all.
+
+    Plans that run the same graph kernels on the same sizes differ only in dense products,
+    which the models predict well; their graph kernels, irregular, are where predictions miss.
+    Timing two variants of one aggregation (say, the attention scores taken from ``X`` or from
+    ``X W``) would spend the trial on a difference the model already settles."""
     best = ranking[0]
-    picked, seen = [best], {(best.plan.composition(), best.impls)}
+    picked, seen = [best], {graph_work(best)}
     for c in ranking[1:]:
         if c.cost > margin * best.cost or len(picked) >= most:
             break
-        what = (c.plan.composition(), c.impls)
+        what = graph_work(c)
         if what not in seen:
             seen.add(what)
             picked.append(c)
     return picked
+
+
+def graph_work(choice):
+    """The graph kernels of a priced plan: ``(primitive, implementation, sizes)`` of each step
+    whose sizes involve the edges, sorted."""
+    return tuple(sorted((s.prim, impl, s.sig[2]) for s, impl in zip(choice.plan.steps,
+                                                                     choice.impls)
+                        if s.sig is not None and "E" in s.sig[2]))
 
 
 def price(plan, gi, symbols, model, training, input_grad, expected_calls, cacheable=False):
@@ -129,7 +144,7 @@ def step_seconds(model, prim, impl, gi, dims, heads=1, needed=()):
     f = _predict(model, prim, impl, gi, dims, heads)
     if not needed:
         return f
-    measured = TRAIN_GRADS.get(prim, ())
+    measured = TRAIN_GRADS.get(ONE_HEAD.get(prim, prim), ())
     inside = sum(1 for i in needed if i in measured)
     outside = len(needed) - inside
     b = _predict(model, prim, impl, gi, dims, heads, "train") if inside else None
@@ -149,6 +164,8 @@ def _predict(model, prim, impl, gi, dims, heads, phase="forward"):
     ``heads`` values per edge on rows of ``k / heads``: the same multiply-adds)."""
     if heads > 1 and prim in ("sddmm_add", "edge_softmax", "gat_aggregate"):
         dims = dict(dims, heads=heads)
+    if prim in ("spmm_heads", "head_gemm"):
+        return _per_head(model, prim, impl, gi, dims, max(heads, 1), phase)
     if prim in PASSES:           # one pass over a matrix: priced as a row scaling of its size
         rows, scale = PASSES[prim]
         t = _predict(model, "row_scale", "torch", gi, {"n": dims[rows], "k": dims["k"]}, 1)
@@ -157,6 +174,28 @@ def _predict(model, prim, impl, gi, dims, heads, phase="forward"):
         return model.predict(prim, impl, gi, dims)
     train = getattr(model, "predict_train", None)
     return train(prim, impl, gi, dims) if train is not None else None
+
+
+def _per_head(model, prim, impl, gi, dims, heads, phase):
+    """Seconds of a per-head primitive, which has no model of its own, from one-head ones:
+
+        head_gemm  (m, k, H F)    = H gemm (m, k, F)
+        spmm_heads (E, k), native = spmm_weighted (E, k) + (H - 1) / 2 row_scale (n, k)
+        spmm_heads (E, k), dgl    = H spmm_weighted (E, k)
+
+    The native kernel walks each row's edges once for all heads: the gathered rows come from
+    memory for the first head and from cache for the others, which add their result block (a
+    write, half a row scaling's read and write). DGL's broadcasting kernel was measured at about
+    one weighted product per head."""
+    if prim == "head_gemm":
+        t = _predict(model, ONE_HEAD[prim], impl, gi, dict(dims, n=max(1, dims["n"] // heads)), 1, phase)
+        return None if t is None else heads * t
+    t = _predict(model, ONE_HEAD[prim], impl, gi, dims, 1, phase)
+    if t is None or impl != "native":
+        return None if t is None else heads * t
+    if phase != "forward":
+        return None
+    return t + (heads - 1) / 2 * _predict(model, "row_scale", "torch", gi, dims, 1)
 
 
 def _needs_grad(plan, training, input_grad):

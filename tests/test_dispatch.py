@@ -620,3 +620,23 @@ def test_a_plan_replaces_the_original_forward_only_when_clearly_faster():
     assert trial(close, 1.2, 1.0) == ORIGINAL           # within the margin: DGL's forward stays
     assert trial(0.8, 0.7, 1.0) == "[b]"                 # clearly faster: the fastest plan
     assert trial(1.3, 1.2, 1.0) == ORIGINAL
+
+
+def test_trial_times_plans_whose_graph_work_differs():
+    """Of plans predicted close to the best, the tie-break skips those that run the same graph
+    kernels on the same sizes as one already taken (they differ in dense products only)."""
+    from types import SimpleNamespace as NS
+    from granii.select import Choice, graph_work, trial_candidates
+
+    def choice(cost, *steps):
+        st = [NS(prim=p, sig=(p, False, dims)) for p, _, dims in steps]
+        return Choice(NS(steps=st), tuple(i for _, i, _ in steps), cost, [])
+    agg = ("spmm_heads", "native", ("E", "k_in"))
+    best = choice(1.0, ("gemm", "torch", ("N_src", "k_in", "1")), agg)
+    twin = choice(1.05, ("gemm", "torch", ("N_dst", "k_in", "1")), agg)      # same graph work
+    other = choice(1.2, ("gemm", "torch", ("N_src", "k_in", "k_out")),
+                   ("gat_aggregate", "native", ("E", "k_out")))
+    far = choice(2.0, ("gat_aggregate", "dgl", ("E", "k_out")))
+    assert graph_work(best) == graph_work(twin) != graph_work(other)
+    assert trial_candidates([best, twin, other, far]) == [best, other]
+    assert trial_candidates([best, twin, far]) == [best]

@@ -32,3 +32,13 @@ def head_dot_torch(x, d):
 def row_scale_torch(d, x):
     """``Y = diag(d) X``: ``Y[i] = d_i X[i]`` for ``d`` of shape ``(n,)``, ``X`` ``(n, ...)``."""
     return d.reshape(d.shape[0], *([1] * (x.dim() - 1))) * x
+
+
+@register("head_gemm", "torch")
+def head_gemm_torch(z, w):
+    """``Y[:, h] = Z[:, h] W_h`` for ``Z`` ``(n, H, K)`` (a sum per attention head, ``spmm_heads``)
+    and ``W`` ``(K, H F)`` whose columns ``h F .. (h + 1) F`` are ``W_h``: one batched product of
+    ``H`` (n x K) (K x F) GEMMs; ``Y`` ``(n, H F)``."""
+    n, heads, k = z.shape
+    wh = w.reshape(k, heads, -1).transpose(0, 1)
+    return torch.bmm(z.transpose(0, 1), wh).transpose(0, 1).reshape(n, -1)

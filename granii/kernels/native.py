@@ -319,6 +319,46 @@ def spmm_norm_native(gi, d_dst, d_src, x, bias=None, act=None):
     return _run(gi, x, d_dst=d_dst, d_src=d_src, bias=bias, act=_act_code(act))
 
 
+class _HeadsFn(torch.autograd.Function):
+    """``Y[v, h] = sum_{e = (u -> v)} w[e, h] X[u]``: per-head edge values over features shared
+    by the heads (``x`` ``(n_src, 1, K)``, ``w`` ``(E, H)``, ``Y`` ``(n_dst, H, K)``).
+    Backward: ``dX[u] = sum_h (A_{w_h}^T dY_h)[u]``, ``dw[e, h] = <dY[v, h], X[u]>``."""
+
+    @staticmethod
+    def forward(ctx, x, w, gi, vals):
+        idx = csr_index(gi, "a")
+        ctx.gi, ctx.vals = gi, vals
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w)
+        return torch.ops.granii.spmm_csr(idx.indptr, idx.indices, x, vals.get("a"))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        p = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _SpmmFn.apply(p, w, None, None, None, ctx.gi, 0, "at", ctx.vals)
+            dx = dx.sum(dim=1, keepdim=True)
+        if ctx.needs_input_grad[1]:
+            idx = csr_index(ctx.gi, "a")
+            dw = torch.ops.granii.sddmm_dot_csr(idx.indptr, idx.indices, idx.eids, p, x)
+        return dx, dw, None, None
+
+
+def spmm_heads_native(gi, w, x):
+    """``Y[v, h] = sum_{e = (u -> v)} w[e, h] X[u]``: ``w`` ``(E, H)`` (or ``(E, H, 1)``), ``x``
+    ``(n_src, K)`` the same for every head; ``Y`` ``(n_dst, H, K)``. GAT's aggregation of the
+    raw features, before each head's own projection (``head_gemm``)."""
+    heads = w.shape[1] if w.dim() > 1 else 1
+    x3 = x.reshape(x.shape[0], 1, -1)
+    x3 = (x3 if x3.dtype in (torch.float32, torch.float64) else x3.float()).contiguous()
+    w2 = w.reshape(gi.num_edges, heads).to(x3.dtype).contiguous()
+    if gi.num_edges == 0 or heads == 1:
+        return _run(gi, x3.expand(-1, heads, -1), w=w2, heads=heads)
+    return _HeadsFn.apply(x3, w2, gi, Values(gi, w2, w))
+
+
 # -- reference implementations of spmm_norm -----------------------------------------------------------
 def _norm_sequence(spmm, gi, d_dst, d_src, x, bias, act):
     code = _act_code(act)
@@ -350,3 +390,4 @@ if AVAILABLE:
     register("spmm_weighted", "native")(spmm_weighted_native)
     register("spmm_mean", "native")(spmm_mean_native)
     register("spmm_norm", "native")(spmm_norm_native)
+    register("spmm_heads", "native")(spmm_heads_native)

@@ -189,6 +189,16 @@ def spmm_weighted_dgl(gi, w, x):
     return dgl.ops.u_mul_e_sum(gi.g, x, _heads_dgl(w, x))
 
 
+@register("spmm_heads", "dgl")
+def spmm_heads_dgl(gi, w, x):
+    """``Y[v, h] = sum_{e = (u -> v)} w[e, h] X[u]``: ``w`` ``(E, H)`` or ``(E, H, 1)``, ``x``
+    ``(n_src, K)`` shared by the heads, ``Y`` ``(num_dst, H, K)``: DGL's broadcasting
+    ``u_mul_e_sum`` of ``X`` as ``(n, 1, K)`` with ``w`` as ``(E, H, 1)``."""
+    heads = w.shape[1] if w.dim() > 1 else 1
+    return dgl.ops.u_mul_e_sum(gi.g, x.reshape(x.shape[0], 1, -1),
+                               w.reshape(gi.num_edges, heads, 1))
+
+
 @register("spmm_weighted", "torch_csr")
 def spmm_weighted_torch_csr(gi, w, x):
     """``Y = A_w X``: ``Y[v] = sum_{e = (u -> v)} w_e X[u]``, shapes as in ``spmm_weighted_dgl``.

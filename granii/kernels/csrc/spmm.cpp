@@ -8,10 +8,14 @@
 //       Y[r, h] = act(rs[r] * sum_{j in row r} val[j, h] * cs[col_j] * X[col_j, h] + bias[h]).
 //       Every optional input may be None. The row and column scales are gathered per row and per
 //       nonzero: a normalised product D_dst^a A D_src^b X needs no E-sized value array and no extra
-//       N x K pass.
+//       N x K pass. Shared features: x (n_cols, 1, K) with val (nnz, H), H > 1, is read by every
+//       head (Y[r, h] = sum_j val[j, h] X[col_j]): GAT aggregating raw features before the
+//       per-head projection. The heads are then the inner loop of each row, so the row's
+//       gathered x rows are read from cache by all heads.
 //   granii::sddmm_dot_csr(indptr, indices, perm, a, b, parts)
 //       a (rows, H, K), b (n_cols, H, K): out[perm[j], h] = <a[r, h], b[col_j, h]> for each CSR
-//       entry j of row r (out[j, h] without perm). Returns (nnz, H).
+//       entry j of row r (out[j, h] without perm). Returns (nnz, H). b may be (n_cols, 1, K),
+//       shared by the heads: out[., h] = <a[r, h], b[col_j, 0]>.
 //   granii::parallel_threads() -> int: the threads an at::parallel_for region of this extension
 //       runs with now (tests check that torch.set_num_threads is honoured).
 //
@@ -46,8 +50,9 @@ struct SpmmArgs {
   const index_t* indptr;
   const index_t* indices;
   int64_t rows, nnz;
-  const scalar_t* x;      // (n_cols, H, K)
-  int64_t H, K, F;        // F = H * K: row stride of x and y
+  const scalar_t* x;      // (n_cols, H, K), or (n_cols, 1, K) shared by the heads
+  int64_t H, K, F;        // F = H * K: row stride of y
+  int64_t FX;             // row stride of x: F, or K when x is shared by the heads
   const scalar_t* val;    // (nnz or E, H) or null
   const index_t* vperm;   // null: val in CSR order
   const scalar_t* rs;     // (rows,) or null
@@ -110,16 +115,16 @@ inline void tile(const SpmmArgs<scalar_t, index_t>& a, const scalar_t* __restric
   const index_t* __restrict col = a.indices;
   const index_t* __restrict vperm = a.vperm;
   const scalar_t* __restrict cs = a.cs;
-  const int64_t F = a.F, H = a.H;
+  const int64_t H = a.H;
   vec acc[NV];
   for (int i = 0; i < NV; ++i) acc[i] = vec{} ;
   for (int64_t j = e0; j < e1; ++j) {
     const int64_t c = col[j];
-    const vec* xr = reinterpret_cast<const vec*>(x + c * F);
+    const vec* xr = reinterpret_cast<const vec*>(x + c * a.FX);
 #if GRANII_PREFETCH > 0
     if (j + GRANII_PREFETCH < e1) {
       const char* xp = reinterpret_cast<const char*>(
-          x + static_cast<int64_t>(col[j + GRANII_PREFETCH]) * F);
+          x + static_cast<int64_t>(col[j + GRANII_PREFETCH]) * a.FX);
       for (int b = 0; b < TW * static_cast<int>(sizeof(scalar_t)); b += 64)
         __builtin_prefetch(xp + b);
     }
@@ -152,12 +157,13 @@ inline void tile(const SpmmArgs<scalar_t, index_t>& a, const scalar_t* __restric
   for (int i = 0; i < NV; ++i) o[i] = acc[i];
 }
 
-// Features [f0, f0 + width) of one head: the widest tiles first, then the remainder.
+// Features [f0, f0 + width) of one head's output (from x's columns [xf0, xf0 + width)): the
+// widest tiles first, then the remainder.
 template <bool HV, bool HC, typename scalar_t, typename index_t>
-inline void head_segment(const SpmmArgs<scalar_t, index_t>& a, int64_t f0, int64_t width,
-                         const scalar_t* val, int64_t e0, int64_t e1, scalar_t* out, bool fin,
-                         scalar_t rsv) {
-  const scalar_t* x = a.x + f0;
+inline void head_segment(const SpmmArgs<scalar_t, index_t>& a, int64_t xf0, int64_t f0,
+                         int64_t width, const scalar_t* val, int64_t e0, int64_t e1, scalar_t* out,
+                         bool fin, scalar_t rsv) {
+  const scalar_t* x = a.x + xf0;
   const scalar_t* bias = a.bias ? a.bias + f0 : nullptr;
   out += f0;
   int64_t f = 0;
@@ -209,21 +215,29 @@ void spmm_run(const SpmmArgs<scalar_t, index_t>& a, int64_t parts, int64_t block
   // partial sums of rows split between parts: at most two per part
   std::vector<scalar_t> carry(parts > 1 ? parts * 2 * F : 0);
   std::vector<int64_t> carry_row(parts > 1 ? parts * 2 : 0, -1);
+  // heads outside the rows (each head's x columns are their own), or inside each row when x is
+  // shared by the heads
+  const bool shared = a.FX != a.F;
+  const int64_t outer = shared ? 1 : a.H, inner = shared ? a.H : 1;
   for_each_part(parts, indptr, a.rows, a.nnz, [&](int64_t p, Coord b, Coord e) {
-    for (int64_t h = 0; h < a.H; ++h) {
-      const scalar_t* val = a.val ? a.val + h : nullptr;
+    for (int64_t ho = 0; ho < outer; ++ho) {
       for (int64_t f0 = 0; f0 < K; f0 += block) {
-        const int64_t off = h * K + f0, width = std::min(block, K - f0);
+        const int64_t width = std::min(block, K - f0);
+        auto segment = [&](int64_t e0, int64_t e1, scalar_t* out, bool fin, scalar_t rsv) {
+          for (int64_t hi = 0; hi < inner; ++hi) {
+            const int64_t h = ho + hi;
+            head_segment<HV, HC>(a, (shared ? 0 : h * K) + f0, h * K + f0, width,
+                                 a.val ? a.val + h : nullptr, e0, e1, out, fin, rsv);
+          }
+        };
         int slot = 0;
         for (int64_t r = b.row; r < e.row; ++r) {
           const int64_t start = indptr[r], stop = indptr[r + 1];
           if (start >= b.nz) {
-            head_segment<HV, HC>(a, off, width, val, start, stop, a.y + r * F, true,
-                                 a.rs ? a.rs[r] : scalar_t(1));
+            segment(start, stop, a.y + r * F, true, a.rs ? a.rs[r] : scalar_t(1));
           } else {  // began in an earlier part
             carry_row[p * 2 + slot] = r;
-            head_segment<HV, HC>(a, off, width, val, b.nz, stop,
-                                 carry.data() + (p * 2 + slot) * F, false, scalar_t(1));
+            segment(b.nz, stop, carry.data() + (p * 2 + slot) * F, false, scalar_t(1));
             ++slot;
           }
         }
@@ -232,8 +246,7 @@ void spmm_run(const SpmmArgs<scalar_t, index_t>& a, int64_t parts, int64_t block
           const int64_t start = std::max<int64_t>(indptr[r], b.nz);
           if (e.nz > start) {
             carry_row[p * 2 + slot] = r;
-            head_segment<HV, HC>(a, off, width, val, start, e.nz,
-                                 carry.data() + (p * 2 + slot) * F, false, scalar_t(1));
+            segment(start, e.nz, carry.data() + (p * 2 + slot) * F, false, scalar_t(1));
           }
         }
       }
@@ -272,11 +285,19 @@ at::Tensor spmm_csr(const at::Tensor& indptr, const at::Tensor& indices, const a
   check_dense(x, "x", name, dtype);
   TORCH_CHECK(act == kActNone || act == kActRelu, name, ": act must be 0 (none) or 1 (relu)");
   const int64_t rows = indptr.numel() - 1, nnz = indices.numel();
-  const int64_t ncols = x.size(0), H = x.size(1), K = x.size(2);
+  const int64_t ncols = x.size(0), K = x.size(2);
+  int64_t H = x.size(1);
+  bool shared = false;  // x (n, 1, K) read by each of val's H > 1 heads
   if (val) {
     check_dense(*val, "val", name, dtype);
-    TORCH_CHECK(val->dim() >= 1 && val->numel() == val->size(0) * H, name,
-                ": val must be (E, H) with H = x.size(1)");
+    TORCH_CHECK(val->dim() >= 1, name, ": val must be (E, H)");
+    const int64_t vh = val->size(0) ? val->numel() / val->size(0) : H;
+    if (H == 1 && vh > 1) {
+      H = vh;
+      shared = true;
+    }
+    TORCH_CHECK(val->numel() == val->size(0) * H, name,
+                ": val must be (E, H) with H = x.size(1), or x (n, 1, K) shared by H heads");
     if (val_perm) {
       TORCH_CHECK(val_perm->scalar_type() == indices.scalar_type() && val_perm->is_contiguous() &&
                       val_perm->numel() == nnz,
@@ -310,6 +331,7 @@ at::Tensor spmm_csr(const at::Tensor& indptr, const at::Tensor& indices, const a
           H,
           K,
           H * K,
+          shared ? K : H * K,
           val ? val->data_ptr<scalar_t>() : nullptr,
           (val && val_perm) ? val_perm->data_ptr<index_t>() : nullptr,
           row_scale ? row_scale->data_ptr<scalar_t>() : nullptr,
@@ -333,11 +355,34 @@ at::Tensor spmm_csr(const at::Tensor& indptr, const at::Tensor& indices, const a
   return y;
 }
 
+// <a[0:K], b[0:K]> with two vector accumulators (the compiler does not reorder a float sum
+// into vectors by itself).
+template <typename T>
+inline T dot(const T* __restrict a, const T* __restrict b, int64_t K) {
+  constexpr int L = kVecBytes / static_cast<int>(sizeof(T));
+  using vec = typename Vec<T, L>::type;
+  vec s0{}, s1{};
+  int64_t k = 0;
+  for (; k + 2 * L <= K; k += 2 * L) {
+    s0 += *reinterpret_cast<const vec*>(a + k) * *reinterpret_cast<const vec*>(b + k);
+    s1 += *reinterpret_cast<const vec*>(a + k + L) * *reinterpret_cast<const vec*>(b + k + L);
+  }
+  if (k + L <= K) {
+    s0 += *reinterpret_cast<const vec*>(a + k) * *reinterpret_cast<const vec*>(b + k);
+    k += L;
+  }
+  s0 += s1;
+  T acc = 0;
+  for (int i = 0; i < L; ++i) acc += s0[i];
+  for (; k < K; ++k) acc += a[k] * b[k];
+  return acc;
+}
+
 template <typename scalar_t, typename index_t>
 void sddmm_dot_run(const index_t* ip, const index_t* col, const index_t* pm, int64_t rows,
                    int64_t nnz, const scalar_t* pa, const scalar_t* pb, int64_t H, int64_t K,
-                   scalar_t* po, int64_t parts) {
-  const int64_t F = H * K;
+                   bool b_shared, scalar_t* po, int64_t parts) {
+  const int64_t F = H * K, FB = b_shared ? K : F, HB = b_shared ? 0 : K;
   const int64_t p = num_parts(parts, rows, nnz, F);
   for_each_part(p, ip, rows, nnz, [&](int64_t, Coord s, Coord e) {
     const int64_t last = std::min<int64_t>(e.row, rows - 1);
@@ -346,14 +391,9 @@ void sddmm_dot_run(const index_t* ip, const index_t* col, const index_t* pm, int
       const int64_t j1 = std::min<int64_t>(ip[r + 1], e.nz);
       const scalar_t* __restrict ar = pa + r * F;
       for (int64_t j = j0; j < j1; ++j) {
-        const scalar_t* __restrict br = pb + static_cast<int64_t>(col[j]) * F;
+        const scalar_t* __restrict br = pb + static_cast<int64_t>(col[j]) * FB;
         scalar_t* o = po + (pm ? static_cast<int64_t>(pm[j]) : j) * H;
-        for (int64_t h = 0; h < H; ++h) {
-          scalar_t acc = 0;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t k = 0; k < K; ++k) acc += ar[h * K + k] * br[h * K + k];
-          o[h] = acc;
-        }
+        for (int64_t h = 0; h < H; ++h) o[h] = dot(ar + h * K, br + h * HB, K);
       }
     }
   });
@@ -371,8 +411,8 @@ at::Tensor sddmm_dot_csr(const at::Tensor& indptr, const at::Tensor& indices,
   check_dense(b, "b", name, dtype);
   const int64_t rows = indptr.numel() - 1, nnz = indices.numel();
   const int64_t H = a.size(1), K = a.size(2);
-  TORCH_CHECK(a.size(0) == rows && b.size(1) == H && b.size(2) == K, name,
-              ": a must be (rows, H, K) and b (n_cols, H, K)");
+  TORCH_CHECK(a.size(0) == rows && (b.size(1) == H || b.size(1) == 1) && b.size(2) == K, name,
+              ": a must be (rows, H, K) and b (n_cols, H, K) or (n_cols, 1, K)");
   if (perm) {
     TORCH_CHECK(perm->scalar_type() == indices.scalar_type() && perm->is_contiguous() &&
                     perm->numel() == nnz,
@@ -385,7 +425,7 @@ at::Tensor sddmm_dot_csr(const at::Tensor& indptr, const at::Tensor& indices,
       sddmm_dot_run<scalar_t, index_t>(indptr.data_ptr<index_t>(), indices.data_ptr<index_t>(),
                                        perm ? perm->data_ptr<index_t>() : nullptr, rows, nnz,
                                        a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(), H, K,
-                                       out.data_ptr<scalar_t>(), parts);
+                                       b.size(1) == 1 && H > 1, out.data_ptr<scalar_t>(), parts);
     });
   });
   return out;

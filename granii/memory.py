@@ -2,9 +2,9 @@
 
 Each priced step writes one result, whose size follows from its signature:
 
-    gemm (m, k, n)          m x n            spmm*, spmm_norm, gat_aggregate (E, k)   N_dst x k
-    row_scale, add, cat     n x k            sddmm_*, edge_softmax (E)                E x heads
-    diag_mul (n)            n
+    gemm, head_gemm (m, k, n)   m x n        spmm*, spmm_norm, gat_aggregate (E, k)   N_dst x k
+    row_scale, add, cat         n x k        spmm_heads (E, k)                        N_dst x heads k
+    diag_mul (n)                n            sddmm_*, edge_softmax (E)                E x heads
 
 Results computed once per graph or once per input stay in the graph's cache (``kept``); the others
 live during the call (``transient``; in training autograd keeps most of them until the backward,
@@ -20,8 +20,10 @@ def step_bytes(step, symbols, heads=1):
     prim, _, sizes = step.sig
     v = [size_value(s, symbols) if isinstance(s, str) else s for s in sizes]
     n_dst = symbols.get("N_dst", symbols.get("N", 0))
-    if prim == "gemm":
+    if prim in ("gemm", "head_gemm"):
         return FLOAT * v[0] * v[2]
+    if prim == "spmm_heads":
+        return FLOAT * n_dst * v[1] * heads
     if prim.startswith("spmm") or prim == "gat_aggregate":
         return FLOAT * n_dst * v[1]
     if prim in ("sddmm_scale", "sddmm_add", "edge_softmax"):

@@ -22,6 +22,11 @@ Rules, each fitted without the graph it is scored on (leave one graph out):
 * ``nearest graph`` the plan fastest on the other graph closest in edge count (same layer, mode, sizes);
 * ``DGL layer``   DGL's own layer, always.
 
+Sampled blocks (``<graph>/block<i>``, see ``validate_costmodels.study_graph``) are scored as
+granii runs on them: ``granii`` is the plan ranked on the first block of that graph (same layer,
+sizes and mode), ``granii + trial`` the winner of its tie-break timed on the second block, both
+kept for every later block. Fixed rules for a block are fitted on the blocks of the other graphs.
+
 A rule's plan that was not timed on a configuration (it failed there) counts as the worst timed
 candidate. Candidates whose generated programs are the same (two association trees that fuse to
 one plan) are one candidate, timed as the mean of the copies (``merge_same_code``); the spread
@@ -44,12 +49,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.csvfile import write_csv  # noqa: E402
-from granii.datasets import load_graph  # noqa: E402
 from granii.learned import default_cost_model  # noqa: E402
 from granii.select import rank, trial_candidates  # noqa: E402
 from granii.plan import compile_plan  # noqa: E402
-from scripts.validate_costmodels import (_canonical, _key_text, candidates, make_layer,  # noqa: E402
-                                         prepared, timed_candidates)
+from scripts.validate_costmodels import (_canonical, _key_text, base_graph,  # noqa: E402
+                                         candidates, make_layer, prepared, study_graph,
+                                         timed_candidates)
 
 DGL = "dgl-layer"
 RULES = ("granii", "granii + trial", "per model", "per sizes", "nearest graph", "DGL layer")
@@ -74,7 +79,7 @@ def load_rows(path, threads, metric):
     for r in rows.values():
         g = graphs.get(r["graph"])
         if g is None:
-            g = graphs[r["graph"]] = load_graph(r["graph"])
+            g = graphs[r["graph"]] = study_graph(r["graph"])
         call, _ = prepared(make_layer(r["layer"], r["k_in"], r["k_out"]), g, r["k_in"], r["mode"])
         r["t"], r["spread"] = merge_same_code(timed_candidates(r[metric], call), call)
     return list(rows.values())
@@ -141,7 +146,7 @@ def granii_choices(rows, model):
     for r in rows:
         g = graphs.get(r["graph"])
         if g is None:
-            g = graphs[r["graph"]] = load_graph(r["graph"])
+            g = graphs[r["graph"]] = study_graph(r["graph"])
         layer = make_layer(r["layer"], r["k_in"], r["k_out"])
         call, _ = prepared(layer, g, r["k_in"], r["mode"])
         training = r["mode"] == "train"
@@ -156,14 +161,41 @@ def granii_choices(rows, model):
     return out
 
 
+def block_index(name):
+    """``i`` of ``<graph>/block<i>``, ``None`` for a whole graph."""
+    part = name.partition("/")[2]
+    return int(part[5:]) if part else None
+
+
+def reused(rows, chosen):
+    """``{row id: (decision row, trial row)}`` for the rows of sampled blocks: granii ranks the
+    plans on the first block of a sampler (the lowest block index of the same graph, layer, sizes
+    and mode), times its tie-break on the next block, and keeps the winner for every later block:
+    the decision a block is scored with is made on other blocks."""
+    same = {}
+    for r in rows:
+        if block_index(r["graph"]) is not None:
+            key = (base_graph(r["graph"]), r["layer"], r["k_in"], r["k_out"], r["mode"])
+            same.setdefault(key, []).append(r)
+    out = {}
+    for rs in same.values():
+        rs.sort(key=lambda r: block_index(r["graph"]))
+        for r in rs:
+            out[id(r)] = (rs[0], rs[1] if len(rs) > 1 else rs[0])
+    return out
+
+
 def evaluate(rows, model):
-    """One record per configuration: each rule's regret and the oracle's kind."""
-    edges = {g: load_graph(g).num_edges() for g in {r["graph"] for r in rows}}
+    """One record per configuration: each rule's regret and the oracle's kind. Rules fitted on
+    other graphs leave out every block of the scored graph too (``base_graph``)."""
+    edges = {g: study_graph(g).num_edges() for g in {r["graph"] for r in rows}}
     chosen = granii_choices(rows, model)
+    blocks = reused(rows, chosen)
     out = []
     for r in rows:
-        others = [o for o in rows if o["graph"] != r["graph"] and o["layer"] == r["layer"]
-                  and o["mode"] == r["mode"]]
+        others = [o for o in rows if base_graph(o["graph"]) != base_graph(r["graph"])
+                  and o["layer"] == r["layer"] and o["mode"] == r["mode"]
+                  and (block_index(o["graph"]) is None) == (block_index(r["graph"]) is None)]
         same_sizes = [o for o in others if (o["k_in"], o["k_out"]) == (r["k_in"], r["k_out"])]
         near = None
         if same_sizes:
@@ -171,16 +203,18 @@ def evaluate(rows, model):
                              key=lambda g: abs(math.log(edges[g]) - math.log(edges[r["graph"]])))
             near_row = next(o for o in same_sizes if o["graph"] == near_graph)
             near = min((k for k in near_row["t"] if k != DGL), key=near_row["t"].get)
-        timed = [k for k in chosen[id(r)][2] if k in r["t"]]
-        picks = {"granii": chosen[id(r)][0],
-                 "granii + trial": min(timed, key=r["t"].get) if timed else chosen[id(r)][0],
+        first, trial_row = blocks.get(id(r), (r, r))
+        decided = chosen[id(first)]
+        timed = [k for k in decided[2] if k in trial_row["t"]]
+        picks = {"granii": decided[0],
+                 "granii + trial": min(timed, key=trial_row["t"].get) if timed else decided[0],
                  "per model": fit(others),
                  "per sizes": fit(same_sizes), "nearest graph": near, "DGL layer": DGL}
         best = min(r["t"], key=r["t"].get)
         rec = {k: r[k] for k in ("layer", "graph", "k_in", "k_out", "mode")}
         promoted = [t for k, t in r["t"].items() if not k.startswith("p")]
         cost = min(promoted) / oracle(r) if promoted else float("nan")
-        rec.update(oracle=best, oracle_pruned=cost > 1, granii_plan=chosen[id(r)][1],
+        rec.update(oracle=best, oracle_pruned=cost > 1, granii_plan=decided[1],
                    candidates=len(r["t"]), pruning_cost=cost,
                    spread=max(r["spread"]) if r["spread"] else float("nan"))
         for rule, key in picks.items():

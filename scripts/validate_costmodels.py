@@ -499,7 +499,9 @@ def main(argv=None):
         ap.add_argument("--measure", action="store_true")
         ap.add_argument("--report", action="store_true")
         ap.add_argument("--threads", type=int, default=2)
-        ap.add_argument("--graphs", nargs="+", choices=GRAPHS)
+        ap.add_argument("--graphs", nargs="+", type=study_graph_name,
+                        help="shipped graphs; <graph>/block<i> for block i of a neighbour "
+                             "sampler on it")
         ap.add_argument("--modes", nargs="+", default=["infer", "train"])
         ap.add_argument("--repeat", type=int, default=3,
                         help="rounds of every candidate per configuration (default 3)")
@@ -562,6 +564,48 @@ LAYER_SIZES = ((32, 256), (256, 32), (256, 256))
 LAYER_GRAPHS = ("cora", "citeseer", "pubmed", "us-power-grid", "wing-mesh", "github-social")
 
 
+BLOCK_SEEDS, BLOCK_FANOUT = 1024, 10
+
+
+def study_graph(name):
+    """A graph of the selection study: a shipped graph by name, or ``<graph>/block<i>``: block
+    ``i`` of a one-hop neighbour sampler on it (``BLOCK_FANOUT`` in-edges of each of
+    ``BLOCK_SEEDS`` seeds, the seeds of batch ``i`` of a fixed shuffle), as DGL's sampling
+    examples feed a layer. The same name gives the same block."""
+    import dgl
+    base, _, part = name.partition("/")
+    g = load_graph(base)
+    if not part:
+        return g
+    if not part.startswith("block") or not part[5:].isdigit():
+        raise ValueError(f"granii: {name!r}: expected <graph> or <graph>/block<i>")
+    i = int(part[5:])
+    order = torch.randperm(g.num_nodes(), generator=torch.Generator().manual_seed(0))
+    seeds = order[i * BLOCK_SEEDS:(i + 1) * BLOCK_SEEDS]
+    # DGL's sampler draws in parallel threads, so it is not repeatable: draw the edges here
+    u, v = g.in_edges(seeds)
+    key = torch.rand(len(v), generator=torch.Generator().manual_seed(i + 1))
+    order = torch.argsort(v.double() + key.double() * 0.5)        # by destination, shuffled
+    v_sorted = v[order]
+    first = torch.searchsorted(v_sorted, v_sorted)                # where each group starts
+    keep = order[torch.arange(len(v)) - first < BLOCK_FANOUT]
+    frontier = dgl.graph((u[keep], v[keep]), num_nodes=g.num_nodes())
+    return dgl.to_block(frontier, seeds)
+
+
+def base_graph(name):
+    """The shipped graph a study graph comes from (``pubmed`` for ``pubmed/block1``)."""
+    return name.partition("/")[0]
+
+
+def study_graph_name(name):
+    """``name`` if the study knows it (argparse ``type``)."""
+    if base_graph(name) not in GRAPHS:
+        raise argparse.ArgumentTypeError(f"unknown graph {name!r}: one of {', '.join(GRAPHS)}, "
+                                         "optionally followed by /block<i>")
+    return name
+
+
 def make_layer(name, k_in, k_out):
     """DGL's layer ``name`` from ``k_in`` to ``k_out`` features (GAT: 4 heads of ``k_out / 4``)."""
     from dgl.nn import GATConv, GINConv, GraphConv, SAGEConv
@@ -580,7 +624,7 @@ def make_layer(name, k_in, k_out):
 def prepared(layer, g, k_in, mode):
     """The bound call of ``layer`` as a hidden layer (features needing a gradient in training,
     new features at each call in inference)."""
-    feat = torch.randn(g.num_nodes(), k_in, generator=torch.Generator().manual_seed(1))
+    feat = torch.randn(g.num_src_nodes(), k_in, generator=torch.Generator().manual_seed(1))
     if mode == "train":
         layer.train()
         feat.requires_grad_(True)
@@ -678,7 +722,7 @@ def measure_layers(graphs, layers, sizes, modes, probe, wait, log, out_path, thr
                 continue
             done.add((r["layer"], r["graph"], r["k_in"], r["k_out"], r["mode"], r["threads"]))
     for gname in graphs:
-        g = load_graph(gname)
+        g = study_graph(gname)
         for lname, (k_in, k_out), mode in itertools.product(layers, sizes, modes):
             if (lname, gname, k_in, k_out, mode, threads) in done:
                 continue
@@ -692,11 +736,11 @@ def measure_layers(graphs, layers, sizes, modes, probe, wait, log, out_path, thr
             params = [p for p in layer.parameters() if p.requires_grad]
             if mode == "train":
                 with torch.enable_grad():
-                    dy = torch.randn_like(layer(g, feat).reshape(g.num_nodes(), -1))
+                    dy = torch.randn_like(layer(g, feat).reshape(g.num_dst_nodes(), -1))
 
                 def dgl_run(layer=layer, feat=feat, dy=dy):
                     with torch.enable_grad():
-                        out = layer(g, feat).reshape(g.num_nodes(), -1)
+                        out = layer(g, feat).reshape(g.num_dst_nodes(), -1)
                         return torch.autograd.grad(out, [feat] + params, dy, allow_unused=True)
             else:
                 def dgl_run(layer=layer, feat=feat):

@@ -282,6 +282,24 @@ def test_gat_heads_reach_the_cost_model():
         (i, 6) for i in implementations("spmm_heads")}
 
 
+def test_gat_heads_aggregate_raw_features_on_blocks():
+    """With several heads the enumerator also sums the raw features per head and projects each
+    head's sum on the destination rows (``spmm_heads -> head_gemm``): derived, not listed, and
+    its memory counts a (N_dst, H, k_in) result."""
+    from granii.dispatch import new_state, prepare
+    from granii.memory import step_bytes
+    b = block()
+    layer = GATConv(6, 8, 4, allow_zero_in_degree=True)
+    call = prepare(new_state(layer), layer, (b, feats(b, 6)), {})
+    plans = [p for p in call.compiled.plans if "spmm_heads" in p.composition()]
+    assert plans and all(p.composition().endswith("spmm_heads -> head_gemm") for p in plans)
+    step = next(s for s in plans[0].steps if s.prim == "spmm_heads")
+    assert step_bytes(step, call.symbols, heads=4) == 4 * b.num_dst_nodes() * 4 * 6
+    one = GATConv(6, 8, 1, allow_zero_in_degree=True)          # one head: plain re-association
+    call = prepare(new_state(one), one, (b, feats(b, 6)), {})
+    assert not any("spmm_heads" in p.composition() for p in call.compiled.plans)
+
+
 def _sage_on_loader(per_batch, monkeypatch):
     """A 2-layer SAGE over the batches of a neighbour-sampling loader, DGL beside granii;
     returns the states of granii's layers and how many times a layer ranked plans."""

@@ -1,0 +1,35 @@
+"""The selection study's sampled blocks: the same name gives the same block, and a block is
+scored with the decision granii made on the sampler's first block and the tie-break on its second."""
+import torch
+
+from scripts.selection_rules import block_index, reused
+from scripts.validate_costmodels import BLOCK_FANOUT, BLOCK_SEEDS, base_graph, study_graph
+
+
+def _global_edges(block):
+    u, v = block.edges()
+    return sorted(zip(block.srcdata["_ID"][u].tolist(), block.dstdata["_ID"][v].tolist()))
+
+
+def test_study_blocks_are_fixed_neighbour_samples():
+    a, again, other = (study_graph(n) for n in ("cora/block0", "cora/block0", "cora/block1"))
+    assert a.is_block and a.num_dst_nodes() == BLOCK_SEEDS
+    assert int(a.in_degrees().max()) <= BLOCK_FANOUT
+    assert _global_edges(a) == _global_edges(again)
+    assert torch.equal(a.dstdata["_ID"], again.dstdata["_ID"])
+    assert not set(a.dstdata["_ID"].tolist()) & set(other.dstdata["_ID"].tolist())
+    assert not study_graph("cora").is_block
+    assert base_graph("cora/block1") == "cora" and block_index("cora/block1") == 1
+    assert block_index("cora") is None
+
+
+def test_blocks_reuse_the_first_blocks_decision():
+    def row(graph, mode="train"):
+        return {"graph": graph, "layer": "SAGE", "k_in": 32, "k_out": 256, "mode": mode}
+    rows = [row("pubmed/block2"), row("pubmed/block0"), row("pubmed/block1"), row("pubmed"),
+            row("cora/block3"), row("pubmed/block1", "infer")]
+    got = reused(rows, {})
+    b2, b0, b1, whole, cora, infer = rows
+    assert got[id(b2)] == (b0, b1) and got[id(b1)] == (b0, b1) and got[id(b0)] == (b0, b1)
+    assert got[id(cora)] == (cora, cora) and got[id(infer)] == (infer, infer)
+    assert id(whole) not in got

@@ -185,10 +185,11 @@ def _per_head(model, prim, impl, gi, dims, heads, phase):
 
     The native kernel walks each row's edges once for all heads: the gathered rows come from
     memory for the first head and from cache for the others, which add their result block (a
-    write, half a row scaling's read and write). DGL's broadcasting kernel was measured at about
-    one weighted product per head."""
+    write, half a row scaling's read and write). DGL's broadcasting kernel does the same E H k
+    multiply-adds as a weighted product per head, and is priced as that."""
     if prim == "head_gemm":
-        t = _predict(model, ONE_HEAD[prim], impl, gi, dict(dims, n=max(1, dims["n"] // heads)), 1, phase)
+        one = dict(dims, n=max(1, dims["n"] // heads))
+        t = _predict(model, ONE_HEAD[prim], impl, gi, one, 1, phase)
         return None if t is None else heads * t
     t = _predict(model, ONE_HEAD[prim], impl, gi, dims, 1, phase)
     if t is None or impl != "native":

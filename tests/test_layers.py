@@ -300,6 +300,25 @@ def test_gat_heads_aggregate_raw_features_on_blocks():
     assert not any("spmm_heads" in p.composition() for p in call.compiled.plans)
 
 
+def test_per_head_primitives_are_priced_from_one_head_models():
+    """``head_gemm`` is H GEMMs of one head's width; the native ``spmm_heads`` one weighted product
+    plus a result block per further head (cheaper than H products), DGL's H products."""
+    from granii.costmodel import AnalyticalCost
+    from granii.graph import graph_info
+    from granii.select import _predict
+    g = graph_info(GRAPHS["undirected"]())
+    model = AnalyticalCost()
+    gemm = _predict(model, "gemm", "torch", g, {"m": 500, "k": 64, "n": 16}, 1)
+    assert _predict(model, "head_gemm", "torch", g, {"m": 500, "k": 64, "n": 64}, 4) == \
+        pytest.approx(4 * gemm)
+    one = {impl: _predict(model, "spmm_weighted", impl, g, {"n": g.num_dst, "k": 64}, 1)
+           for impl in ("native", "dgl")}
+    heads = {impl: _predict(model, "spmm_heads", impl, g, {"n": g.num_dst, "k": 64}, 4)
+             for impl in ("native", "dgl")}
+    assert one["native"] < heads["native"] < 4 * one["native"]
+    assert heads["dgl"] == pytest.approx(4 * one["dgl"])
+
+
 def _sage_on_loader(per_batch, monkeypatch):
     """A 2-layer SAGE over the batches of a neighbour-sampling loader, DGL beside granii;
     returns the states of granii's layers and how many times a layer ranked plans."""

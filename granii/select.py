@@ -144,6 +144,8 @@ def step_seconds(model, prim, impl, gi, dims, heads=1, needed=()):
     f = _predict(model, prim, impl, gi, dims, heads)
     if not needed:
         return f
+    if prim == "spmm_heads":
+        return f + _heads_backward(model, impl, gi, dims, heads, f, needed)
     measured = TRAIN_GRADS.get(ONE_HEAD.get(prim, prim), ())
     inside = sum(1 for i in needed if i in measured)
     outside = len(needed) - inside
@@ -197,6 +199,16 @@ def _per_head(model, prim, impl, gi, dims, heads, phase):
     if phase != "forward":
         return None
     return t + (heads - 1) / 2 * _predict(model, "row_scale", "torch", gi, dims, 1)
+
+
+def _heads_backward(model, impl, gi, dims, heads, f, needed):
+    """Backward of ``spmm_heads(w, X)``: ``dw[e, h] = <dY[v, h], X[u]>`` walks the edges as the
+    forward does (``f``); ``dX[u] = sum_h sum_e w[e, h] dY[v, h]`` gathers H k values per edge
+    (H one-head weighted products on the transpose)."""
+    t = f if 0 in needed else 0.0
+    if 1 in needed:
+        t += heads * _predict(model, "spmm_weighted", impl, gi, dims, 1)
+    return t
 
 
 def _needs_grad(plan, training, input_grad):

@@ -16,6 +16,8 @@ def test_study_blocks_are_fixed_neighbour_samples():
     assert a.is_block and a.num_dst_nodes() == BLOCK_SEEDS
     assert int(a.in_degrees().max()) <= BLOCK_FANOUT
     assert _global_edges(a) == _global_edges(again)
+    assert all(torch.equal(x, y) for x, y in zip(a.edges(), again.edges()))   # same numbering
+    assert torch.equal(a.srcdata["_ID"][:BLOCK_SEEDS], a.dstdata["_ID"])
     assert torch.equal(a.dstdata["_ID"], again.dstdata["_ID"])
     assert not set(a.dstdata["_ID"].tolist()) & set(other.dstdata["_ID"].tolist())
     assert not study_graph("cora").is_block

@@ -193,11 +193,11 @@ def _per_head(model, prim, impl, gi, dims, heads, phase):
         one = dict(dims, n=max(1, dims["n"] // heads))
         t = _predict(model, ONE_HEAD[prim], impl, gi, one, 1, phase)
         return None if t is None else heads * t
-    t = _predict(model, ONE_HEAD[prim], impl, gi, dims, 1, phase)
+    if phase != "forward":           # spmm_heads' backward is priced by _heads_backward
+        return None
+    t = _predict(model, ONE_HEAD[prim], impl, gi, dims, 1)
     if t is None or impl != "native":
         return None if t is None else heads * t
-    if phase != "forward":
-        return None
     return t + (heads - 1) / 2 * _predict(model, "row_scale", "torch", gi, dims, 1)
 
 
@@ -207,7 +207,7 @@ def _heads_backward(model, impl, gi, dims, heads, f, needed):
     (H one-head weighted products on the transpose)."""
     t = f if 0 in needed else 0.0
     if 1 in needed:
-        t += heads * _predict(model, "spmm_weighted", impl, gi, dims, 1)
+        t += heads * _predict(model, ONE_HEAD["spmm_heads"], impl, gi, dims, 1)
     return t
 
 

@@ -53,7 +53,7 @@ from granii.learned import default_cost_model  # noqa: E402
 from granii.select import rank, trial_candidates  # noqa: E402
 from granii.plan import compile_plan  # noqa: E402
 from scripts.validate_costmodels import (_canonical, _key_text, base_graph,  # noqa: E402
-                                         candidates, make_layer, prepared, study_graph,
+                                         block_index, candidates, make_layer, prepared, study_graph,
                                          timed_candidates)
 
 DGL = "dgl-layer"
@@ -161,13 +161,7 @@ def granii_choices(rows, model):
     return out
 
 
-def block_index(name):
-    """``i`` of ``<graph>/block<i>``, ``None`` for a whole graph."""
-    part = name.partition("/")[2]
-    return int(part[5:]) if part else None
-
-
-def reused(rows, chosen):
+def reused(rows):
     """``{row id: (decision row, trial row)}`` for the rows of sampled blocks: granii ranks the
     plans on the first block of a sampler (the lowest block index of the same graph, layer, sizes
     and mode), times its tie-break on the next block, and keeps the winner for every later block:
@@ -190,7 +184,7 @@ def evaluate(rows, model):
     other graphs leave out every block of the scored graph too (``base_graph``)."""
     edges = {g: study_graph(g).num_edges() for g in {r["graph"] for r in rows}}
     chosen = granii_choices(rows, model)
-    blocks = reused(rows, chosen)
+    blocks = reused(rows)
     out = []
     for r in rows:
         others = [o for o in rows if base_graph(o["graph"]) != base_graph(r["graph"])

@@ -573,13 +573,10 @@ def study_graph(name):
     ``BLOCK_SEEDS`` seeds, the seeds of batch ``i`` of a fixed shuffle), as DGL's sampling
     examples feed a layer. The same name gives the same block."""
     import dgl
-    base, _, part = name.partition("/")
-    g = load_graph(base)
-    if not part:
+    i = block_index(name)
+    g = load_graph(base_graph(name))
+    if i is None:
         return g
-    if not part.startswith("block") or not part[5:].isdigit():
-        raise ValueError(f"granii: {name!r}: expected <graph> or <graph>/block<i>")
-    i = int(part[5:])
     order = torch.randperm(g.num_nodes(), generator=torch.Generator().manual_seed(0))
     seeds = order[i * BLOCK_SEEDS:(i + 1) * BLOCK_SEEDS]
     # DGL's sampler draws, and ``to_block`` numbers the sources, in parallel threads: neither is
@@ -604,6 +601,16 @@ def study_graph(name):
 def base_graph(name):
     """The shipped graph a study graph comes from (``pubmed`` for ``pubmed/block1``)."""
     return name.partition("/")[0]
+
+
+def block_index(name):
+    """``i`` of ``<graph>/block<i>``, ``None`` for a whole graph."""
+    part = name.partition("/")[2]
+    if not part:
+        return None
+    if not part.startswith("block") or not part[5:].isdigit():
+        raise ValueError(f"granii: {name!r}: expected <graph> or <graph>/block<i>")
+    return int(part[5:])
 
 
 def study_graph_name(name):

@@ -2,8 +2,9 @@
 scored with the decision granii made on the sampler's first block and the tie-break on its second."""
 import torch
 
-from scripts.selection_rules import block_index, reused
-from scripts.validate_costmodels import BLOCK_FANOUT, BLOCK_SEEDS, base_graph, study_graph
+from scripts.selection_rules import reused
+from scripts.validate_costmodels import (BLOCK_FANOUT, BLOCK_SEEDS, base_graph, block_index,
+                                         study_graph)
 
 
 def _global_edges(block):
@@ -30,7 +31,7 @@ def test_blocks_reuse_the_first_blocks_decision():
         return {"graph": graph, "layer": "SAGE", "k_in": 32, "k_out": 256, "mode": mode}
     rows = [row("pubmed/block2"), row("pubmed/block0"), row("pubmed/block1"), row("pubmed"),
             row("cora/block3"), row("pubmed/block1", "infer")]
-    got = reused(rows, {})
+    got = reused(rows)
     b2, b0, b1, whole, cora, infer = rows
     assert got[id(b2)] == (b0, b1) and got[id(b1)] == (b0, b1) and got[id(b0)] == (b0, b1)
     assert got[id(cora)] == (cora, cora) and got[id(infer)] == (infer, infer)

@@ -204,3 +204,49 @@ def test_smooth_relu_only_while_open():
         torch.testing.assert_close(torch.relu(x), F.gelu(x))
     torch.testing.assert_close(F.relu(x), x.clamp(min=0))
     torch.testing.assert_close(torch.relu(x), x.clamp(min=0))
+
+
+class _Kink(torch.nn.Module):
+    """``1000 s + sum_i leaky_relu(w x_i - 1/8)`` with ``x = [1/4, 1, .., 1]``. As written
+    (``(w x + 1e7) - 1e7``) float32 rounds ``w x_0`` to 0, so ``z_0`` falls on the other slope;
+    re-associated (``reassociated``) it is exact. ``wrong`` scales the sum: a real error."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(1.0))
+        self.s = torch.nn.Parameter(torch.tensor(1.0))
+        self.reassociated = self.wrong = False
+
+    def forward(self, x):
+        big = torch.tensor(1e7, dtype=x.dtype)
+        z = self.w * x + (big - big) if self.reassociated else (self.w * x + big) - big
+        total = torch.nn.functional.leaky_relu(z - 0.125, 0.1).sum()
+        return (1000 * self.s + total * (1.1 if self.wrong else 1.0)).reshape(1)
+
+
+def test_float64_reference_tells_a_kink_from_an_error():
+    """Two float32 runs on either side of a leaky ReLU's kink differ by more than ``TOL`` in a
+    gradient; against the float64 run the re-associated one is exact and passes, a scaled one
+    fails, and so does a float64 run that is not DGL's function."""
+    from bench import check
+    x = torch.ones(50)
+    x[0] = 0.25
+    run = lambda m: m(x)                                         # noqa: E731
+
+    def made(**flags):
+        return lambda m: m.__dict__.update(flags)
+
+    ref, opt = _Kink(), _Kink()
+    made(reassociated=True)(opt)
+    err, where = check.compare(ref, opt, run, True)
+    assert not check.passed(err) and where.startswith("gradient of w")
+    ok, ratio, _ = check.against_float64(_Kink, made(reassociated=True), run)
+    assert ok and ratio < 1e-3
+    ok, ratio, on = check.against_float64(_Kink, made(reassociated=True, wrong=True), run)
+    assert not ok and on == "gradient of w"
+    ok, _, why = check.against_float64(lambda: _Kink().train(), made(reassociated=True),
+                                       lambda m: m(x) * (2.0 if m.s.dtype == torch.float64 else 1))
+    assert not ok and "differ" in why
+    # settle reports each step and passes the kink
+    ok, where = check.settle(err, where, _Kink, made(reassociated=True), run)
+    assert ok and "against float64" in where

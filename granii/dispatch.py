@@ -627,6 +627,7 @@ def _any_requires_grad(module):
 # -- deciding ----------------------------------------------------------------------------------------
 ORIGINAL = "original forward"
 TRIAL_ROUNDS = 3         # timed calls per candidate, after one untimed call each
+TRIAL_DROP = 1.5         # a candidate whose fastest timed call is this much slower is dropped
 ORIGINAL_MARGIN = 0.05   # a plan is kept over the layer's own forward when this much faster
 
 
@@ -723,7 +724,10 @@ class Trial:
     and in training the forward and the layer's backward (``BackwardClock``), recorded when the
     next call comes.
     So a wrong prediction costs at most those calls, and granii is never kept slower than DGL's
-    own layer as measured.
+    own layer as measured. A candidate whose fastest timed call is more than ``TRIAL_DROP``
+    times the fastest timed call of another leaves the trial at once (``drop_slow``): a plan
+    priced 4x too low (a 56 MB per-head intermediate allocated afresh on each backward) then
+    costs two calls, not four.
 
     On sampled blocks the candidates take turns on successive blocks of one sampler
     configuration, whose sizes differ: each time is divided by the block's size
@@ -735,6 +739,7 @@ class Trial:
     turn: int = 0
     homes: list = field(default_factory=list)     # [(dict, key)] that get the kept decision
     pending: list = field(default_factory=list)   # [(label, forward seconds, BackwardClock)]
+    dropped: list = field(default_factory=list)   # candidates ``drop_slow`` took out
 
     def next(self):
         c = self.candidates[self.turn % len(self.candidates)]
@@ -754,6 +759,18 @@ class Trial:
 
     def settled(self):
         return all(len(self.times.get(c[0], ())) > TRIAL_ROUNDS for c in self.candidates)
+
+    def drop_slow(self):
+        """Take out the candidates whose fastest timed call (after the untimed first) exceeds
+        ``TRIAL_DROP`` times another's fastest; each must have one timed call first."""
+        best = {c[0]: min(self.times[c[0]][1:]) for c in self.candidates
+                if len(self.times.get(c[0], ())) > 1}
+        if len(best) < len(self.candidates) or len(best) < 2:
+            return
+        floor = min(best.values())
+        slow = [c for c in self.candidates if best[c[0]] > TRIAL_DROP * floor]
+        self.dropped += slow
+        self.candidates = [c for c in self.candidates if c not in slow]
 
     def medians(self):
         return {label: sorted(ts[1:] or ts)[len(ts[1:] or ts) // 2]
@@ -776,11 +793,12 @@ class Trial:
 
     def report(self):
         med = self.medians()
-        return [(c[0], med[c[0]]) for c in self.candidates if c[0] in med]
+        return [(c[0], med[c[0]]) for c in self.candidates + self.dropped if c[0] in med]
 
 
 def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
     trial.collect()
+    trial.drop_slow()
     label, fn, order = trial.next()[:3]
     scale = block_scale(call)
     t0 = time.perf_counter()

@@ -896,6 +896,7 @@ def hetero_call(state, options, layer, g, inputs, mod_args, mod_kwargs):
     routed = FLAT if state.flat_calls else ROUTED
     trial = state.trial = state.trial or Trial([(routed, None, None), (ORIGINAL, None, None)])
     trial.collect()
+    trial.drop_slow()
     label = trial.next()[0]
     # on sampled blocks each call has a block of its own: times per unit of its size
     scale = float(max(g.num_edges() + g.num_src_nodes() + g.num_dst_nodes(), 1)
@@ -908,7 +909,7 @@ def hetero_call(state, options, layer, g, inputs, mod_args, mod_kwargs):
         trial.record(label, seconds)
     else:
         trial.pending.append((label, seconds, clock))
-    if trial.settled():
+    if trial.settled() or len(trial.candidates) == 1:
         for _, _, pending in trial.pending:         # this call's backward is not needed
             pending.remove()
         state.kept = trial.winner()[0]

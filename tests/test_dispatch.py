@@ -622,6 +622,27 @@ def test_a_plan_replaces_the_original_forward_only_when_clearly_faster():
     assert trial(1.3, 1.2, 1.0) == ORIGINAL
 
 
+def test_trial_drops_a_candidate_far_slower_after_one_timed_call():
+    """A candidate whose fastest timed call is over ``TRIAL_DROP`` times another's leaves the
+    trial (its time is still reported); within that factor all stay, and none goes before each
+    has a timed call."""
+    from granii.dispatch import ORIGINAL, TRIAL_DROP, Trial
+    t = Trial([("[a]", None, None), ("[slow]", None, None), (ORIGINAL, None, None)])
+    for label, s in (("[a]", 1.0), ("[slow]", 9.0)):
+        t.record(label, s)              # untimed first calls
+        t.record(label, s)
+    t.drop_slow()
+    assert len(t.candidates) == 3       # the original has no timed call yet
+    t.record(ORIGINAL, 1.1)
+    t.record(ORIGINAL, 1.1)
+    t.drop_slow()
+    assert [c[0] for c in t.candidates] == ["[a]", ORIGINAL]
+    assert [lb for lb, _ in t.report()] == ["[a]", ORIGINAL, "[slow]"]
+    t.record("[a]", 0.99 * TRIAL_DROP * 1.1)       # one slow call: its fastest still counts
+    t.drop_slow()
+    assert [c[0] for c in t.candidates] == ["[a]", ORIGINAL]
+
+
 def test_trial_times_plans_whose_graph_work_differs():
     """Of plans predicted close to the best, the tie-break skips those that run the same graph
     kernels on the same sizes as one already taken (they differ in dense products only)."""

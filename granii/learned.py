@@ -17,9 +17,10 @@ one forward more per gradient). ``granii.select`` prices a training step from bo
 
 Features (``model_features``): for the sparse primitives ``featurize(gi, sizes)`` with the sizes of
 ``MODEL_SIZES`` (``k`` for the SpMMs and the fused normalised SpMM, ``heads`` for edge scores and
-softmax, ``heads`` and ``k = heads x F`` for the fused GAT aggregation, none for ``sddmm_scale``);
-the dense primitives do not depend on the graph and see only their sizes (``dense_features``: each
-size, pairwise and full products, their log2).
+softmax, ``heads`` and ``k = heads x F`` for the fused GAT aggregation, ``heads`` and the shared
+width ``k`` for the per-head sum ``spmm_heads``, none for ``sddmm_scale``); the dense primitives
+do not depend on the graph and see only their sizes (``dense_features``: each size, pairwise and
+full products, their log2; ``head_gemm``'s are ``m``, ``k``, ``n = heads x F`` and ``heads``).
 
 Models live in ``costmodels/<fingerprint id>/`` (``granii.fingerprint``) as one XGBoost JSON file
 per model and a ``manifest.json`` (with the machine's calibration, ``granii.calibration``);
@@ -63,6 +64,8 @@ MODEL_SIZES = {
     "edge_softmax": ("graph", ("heads",)),
     "spmm_norm": ("graph", ("k",)),
     "gat_aggregate": ("graph", ("heads", "k")),
+    "spmm_heads": ("graph", ("heads", "k")),
+    "head_gemm": ("dense", ("m", "k", "n", "heads")),
 }
 # The phases a model can be trained for: "forward" (one call, no autograd) and "train" (the
 # forward with autograd and the backward of the gradients ``TRAIN_GRADS`` names).
@@ -73,7 +76,7 @@ PHASES = ("forward", "train")
 TRAIN_GRADS = {
     "gemm": (0, 1), "row_scale": (1,), "spmm": (0,), "spmm_mean": (0,), "spmm_max": (0,),
     "spmm_weighted": (0, 1), "sddmm_scale": (), "sddmm_add": (0, 1), "edge_softmax": (0,),
-    "spmm_norm": (2,), "gat_aggregate": (0, 1, 2),
+    "spmm_norm": (2,), "gat_aggregate": (0, 1, 2), "spmm_heads": (0, 1), "head_gemm": (0, 1),
 }
 SIZE_DEFAULTS = {"heads": 1}
 
@@ -139,11 +142,14 @@ def baseline_seconds(prim, dims, num_src=0, num_dst=0, num_edges=0):
     + 5 us``. Sparse kernels gather one ``k``-row of ``X`` (or ``heads`` scores) per edge."""
     s = model_sizes(prim, dims) if prim in MODEL_SIZES else dict(dims)
     e, f = float(num_edges), 4.0
-    if prim == "gemm":
-        m, k, n = s["m"], s["k"], s["n"]
-        t = 2.0 * m * k * n / _FLOPS + f * (m * k + k * n + m * n) / _STREAM
+    if prim in ("gemm", "head_gemm"):           # head_gemm: n = H F, X of shape (m, H, k)
+        m, k, n, h = s["m"], s["k"], s["n"], s.get("heads", 1)
+        t = 2.0 * m * k * n / _FLOPS + f * (m * h * k + k * n + m * n) / _STREAM
     elif prim == "row_scale":
         t = 2 * f * s["n"] * s["k"] / _STREAM
+    elif prim == "spmm_heads":                 # X rows gathered once for all heads
+        h, k = s["heads"], s["k"]
+        t = f * e * k / _GATHER + f * num_dst * h * k / _STREAM + f * e * h / _STREAM
     elif prim.startswith("spmm"):
         k = s["k"]
         t = f * e * k / _GATHER + f * num_dst * k / _STREAM + 8 * e / _STREAM

@@ -144,7 +144,7 @@ def step_seconds(model, prim, impl, gi, dims, heads=1, needed=()):
     f = _predict(model, prim, impl, gi, dims, heads)
     if not needed:
         return f
-    if prim == "spmm_heads":
+    if prim == "spmm_heads" and not _learned(model, prim, impl, "train"):
         return f + _heads_backward(model, impl, gi, dims, heads, f, needed)
     measured = TRAIN_GRADS.get(ONE_HEAD.get(prim, prim), ())
     inside = sum(1 for i in needed if i in measured)
@@ -179,7 +179,9 @@ def _predict(model, prim, impl, gi, dims, heads, phase="forward"):
 
 
 def _per_head(model, prim, impl, gi, dims, heads, phase):
-    """Seconds of a per-head primitive, which has no model of its own, from one-head ones:
+    """Seconds of a per-head primitive: by its own model where the machine's models have one
+    (profiled by the full and ``--graph-stride`` runs, not by ``--quick``), else from one-head
+    ones:
 
         head_gemm  (m, k, H F)    = H gemm (m, k, F)
         spmm_heads (E, k), native = spmm_weighted (E, k) + (H - 1) / 2 row_scale (n, k)
@@ -189,6 +191,10 @@ def _per_head(model, prim, impl, gi, dims, heads, phase):
     memory for the first head and from cache for the others, which add their result block (a
     write, half a row scaling's read and write). DGL's broadcasting kernel does the same E H k
     multiply-adds as a weighted product per head, and is priced as that."""
+    if _learned(model, prim, impl, phase):
+        d = dict(dims, heads=heads)
+        return (model.predict(prim, impl, gi, d) if phase == "forward"
+                else model.predict_train(prim, impl, gi, d))
     if prim == "head_gemm":
         one = dict(dims, n=max(1, dims["n"] // heads))
         t = _predict(model, ONE_HEAD[prim], impl, gi, one, 1, phase)
@@ -199,6 +205,12 @@ def _per_head(model, prim, impl, gi, dims, heads, phase):
     if t is None or impl != "native":
         return None if t is None else heads * t
     return t + (heads - 1) / 2 * _predict(model, "row_scale", "torch", gi, dims, 1)
+
+
+def _learned(model, prim, impl, phase):
+    """Whether ``model`` has a model of its own for ``(prim, impl)`` in ``phase``."""
+    has = getattr(model, "has_model", None)
+    return has is not None and has(prim, impl, phase)
 
 
 def _heads_backward(model, impl, gi, dims, heads, f, needed):

@@ -466,7 +466,7 @@ def _dense(run, prims):
             run.bar.set_postfix_str(prim)
         grid = pts.dense_points(prim, run.config)
         # rows of the grid that grow in their last size: GEMM (m, k) over n, row scaling n over k
-        last = "n" if prim == "gemm" else "k"
+        last = "n" if prim in ("gemm", "head_gemm") else "k"
         series = {}
         for sizes in grid:
             series.setdefault(tuple(v for k, v in sizes.items() if k != last), []).append(sizes)

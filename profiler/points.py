@@ -30,8 +30,9 @@ except ImportError:
 
 DENSE = "dense"
 GRAPH_PRIMS = ["spmm", "spmm_weighted", "spmm_mean", "spmm_max", "sddmm_scale", "sddmm_add",
-               "edge_softmax", "spmm_norm", "gat_aggregate"]
-DENSE_PRIMS = ["gemm", "row_scale"]
+               "edge_softmax", "spmm_norm", "gat_aggregate", "spmm_heads"]
+DENSE_PRIMS = ["gemm", "row_scale", "head_gemm"]
+PER_HEAD = ["spmm_heads", "head_gemm"]     # GAT's per-head composition (A_h X) W_h
 
 
 @dataclass
@@ -80,9 +81,11 @@ def quick_config():
     measured under load are flagged). On an AVX2 machine the plans these models chose ran
     1.065x the fastest (geomean over 96 layer configurations, ``results/selection_avx2/``); those
     of ``--graph-stride 3`` (11 min) 1.058x, and the full models of an AVX-512 machine rescaled by
-    a calibration of it 1.055x."""
+    a calibration of it 1.055x. The per-head primitives are left to the longer runs: without
+    their models ``select`` prices them from the one-head ones."""
     names = [n for n, _ in gen.corpus("quick")]
-    return Config("quick", graphs=names, ks=[32, 96, 256], heads=[1, 4], gat_f=[16],
+    prims = [p for p in GRAPH_PRIMS + DENSE_PRIMS if p not in PER_HEAD]
+    return Config("quick", graphs=names, prims=prims, ks=[32, 96, 256], heads=[1, 4], gat_f=[16],
                   blocks_every=4, gemm_m=[300, 5000, 60000, 400000],
                   gemm_kn=[16, 64, 256, 1024],
                   row_n=[1000, 50000, 1000000], row_k=[16, 256], warmup=1, repeat=3,
@@ -154,6 +157,9 @@ def graph_sizes(prim, config):
     names = MODEL_SIZES[prim][1]
     if not names:
         return [{}]
+    if prim == "spmm_heads":        # the raw features, shared by the heads: k is their width
+        return sorted(({"heads": h, "k": k} for h in config.heads if h > 1 for k in config.ks),
+                      key=lambda s: (s["k"], s["heads"]))
     if names == ("k",):
         return [{"k": k} for k in sorted(config.ks)]
     if names == ("heads", "k"):
@@ -167,6 +173,10 @@ def dense_points(prim, config):
     if prim == "gemm":
         return [{"m": m, "k": k, "n": n} for m in sorted(config.gemm_m)
                 for k in sorted(config.gemm_kn) for n in sorted(config.gemm_kn)]
+    if prim == "head_gemm":         # n = heads x F: each head's sum times its own F columns
+        return [{"m": m, "k": k, "heads": h, "n": h * f} for m in sorted(config.gemm_m)
+                for k in sorted(config.gemm_kn) for h in sorted(config.heads) if h > 1
+                for f in sorted(config.gat_f)]
     return [{"n": n, "k": k} for n in sorted(config.row_n) for k in sorted(config.row_k)]
 
 
@@ -188,12 +198,18 @@ def point_bytes(prim, sizes, n_src=0, n_dst=0, e=0):
     if prim == "gemm":
         m, k, n = sizes["m"], sizes["k"], sizes["n"]
         return f * (m * k + k * n + 2 * m * n)
+    if prim == "head_gemm":         # Z and its gradient are (m, heads, k)
+        m, k, n, h = sizes["m"], sizes["k"], sizes["n"], sizes["heads"]
+        return f * (2 * m * h * k + k * n + 2 * m * n)
     if prim == "row_scale":
         return 3 * f * sizes["n"] * sizes["k"]
     index = 48 * e + 16 * (n_src + n_dst)         # two CSRs (int64), int32 copies, edge ids
     if prim == "gat_aggregate":
         h, k = sizes["heads"], sizes["k"]
         return index + 2 * f * k * (n_src + 2 * n_dst) + 6 * f * e * h
+    if prim == "spmm_heads":
+        h, k = sizes["heads"], sizes["k"]
+        return index + f * k * (2 * n_src + 2 * h * n_dst) + 3 * f * e * h
     if prim.startswith("spmm"):
         return index + f * sizes["k"] * (n_src + 3 * n_dst) + 2 * f * e
     h = sizes.get("heads", 1)
@@ -236,6 +252,9 @@ def graph_inputs(prim, gi, sizes, seed=0):
         h, k = sizes["heads"], sizes["k"]
         return (torch.randn(n_src, h, 1, generator=gen_), torch.randn(n_dst, h, 1, generator=gen_),
                 torch.randn(n_src, h, k // h, generator=gen_), 0.2)
+    if prim == "spmm_heads":        # softmax-like edge values, one per head
+        return (torch.rand(e, sizes["heads"], generator=gen_),
+                torch.randn(n_src, sizes["k"], generator=gen_))
     if prim.startswith("spmm"):
         x = torch.randn(n_src, sizes["k"], generator=gen_)
         if prim == "spmm_weighted":
@@ -261,6 +280,9 @@ def dense_inputs(prim, sizes, seed=0):
     gen_ = torch.Generator().manual_seed(seed)
     if prim == "gemm":
         return (torch.randn(sizes["m"], sizes["k"], generator=gen_),
+                torch.randn(sizes["k"], sizes["n"], generator=gen_))
+    if prim == "head_gemm":
+        return (torch.randn(sizes["m"], sizes["heads"], sizes["k"], generator=gen_),
                 torch.randn(sizes["k"], sizes["n"], generator=gen_))
     return (torch.rand(sizes["n"], generator=gen_) + 0.5,
             torch.randn(sizes["n"], sizes["k"], generator=gen_))

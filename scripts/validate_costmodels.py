@@ -117,6 +117,13 @@ def primitive_rows(graphs, models, probe, wait, log):
                 cells = [({"m": n, "k": k, "n": o}, None) for k in SIZES for o in SIZES]
             elif prim == "row_scale":
                 cells = [({"n": n, "k": k}, None) for k in SIZES]
+            elif prim == "head_gemm":
+                cells = [({"m": n, "k": k, "heads": 4, "n": 4 * f}, None) for k in SIZES
+                         for f in (8, 64)]
+            elif prim == "spmm_heads":
+                cells = [({"heads": 4, "k": k}, gi) for k in SIZES]
+            elif prim == "gat_aggregate":
+                cells = [({"heads": h, "k": h * f}, gi) for h in HEADS for f in (8, 64)]
             elif pts.MODEL_SIZES[prim][1] == ("heads",):
                 cells = [({"heads": h}, gi) for h in HEADS]
             elif pts.MODEL_SIZES[prim][1] == ():

@@ -319,6 +319,25 @@ def test_per_head_primitives_are_priced_from_one_head_models():
     assert heads["dgl"] == pytest.approx(4 * one["dgl"])
 
 
+def test_per_head_primitives_use_their_own_models_when_profiled():
+    """Models that have ``head_gemm`` / ``spmm_heads`` price them by those, with the head count
+    among the sizes, forward and training (no one-head derivation)."""
+    from types import SimpleNamespace as NS
+    from granii.select import _predict, step_seconds
+    asked = []
+
+    def predict(phase):
+        return lambda prim, impl, gi, dims: asked.append((prim, phase, dims)) or 1.0
+    model = NS(has_model=lambda prim, impl, phase="forward": prim in ("head_gemm", "spmm_heads"),
+               predict=predict("forward"), predict_train=predict("train"))
+    dims = {"m": 500, "k": 64, "n": 64}
+    assert _predict(model, "head_gemm", "torch", None, dims, 4) == 1.0
+    assert step_seconds(model, "spmm_heads", "native", None, {"k": 64}, 4, (0, 1)) == 1.0
+    assert asked == [("head_gemm", "forward", dict(dims, heads=4)),
+                     ("spmm_heads", "forward", {"k": 64, "heads": 4}),
+                     ("spmm_heads", "train", {"k": 64, "heads": 4})]
+
+
 def _sage_on_loader(per_batch, monkeypatch):
     """A 2-layer SAGE over the batches of a neighbour-sampling loader, DGL beside granii;
     returns the states of granii's layers and how many times a layer ranked plans."""

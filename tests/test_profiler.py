@@ -182,7 +182,7 @@ def test_configs_cover_the_registry():
         assert nodes > 0 and edges > 0
 
 
-ALL_GRAPH_PRIMS = ["spmm", "spmm_weighted", "sddmm_scale", "sddmm_add", "edge_softmax",
+ALL_GRAPH_PRIMS = ["spmm", "spmm_weighted", "sddmm_scale", "sddmm_add", "edge_softmax", "spmm_heads",
                    "spmm_mean", "spmm_max", "spmm_norm", "gat_aggregate"]
 
 
@@ -222,6 +222,33 @@ def test_training_calls_return_the_gradients_the_step_needs(prim):
     for gs in grads.values():
         for a, b in zip(gs, first):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_per_head_points_compute_the_per_head_products():
+    """``head_gemm``'s profiled call is ``Y[:, h] = Z[:, h] W_h`` (with the gradients of ``Z`` and
+    ``W`` in training) and ``spmm_heads``' the sum per head of the shared features; their grids
+    have several heads only, and the quick run leaves them out."""
+    config = tiny(ks=[8], heads=[1, 2], gat_f=[4], gemm_m=[30], gemm_kn=[8])
+    sizes = pts.dense_points("head_gemm", config)
+    assert sizes == [{"m": 30, "k": 8, "heads": 2, "n": 8}]
+    z, w = pts.dense_inputs("head_gemm", sizes[0])
+    want = torch.einsum("mhk,khf->mhf", z, w.reshape(8, 2, 4)).reshape(30, 8)
+    torch.testing.assert_close(pts.runners("head_gemm", None, sizes[0], ["torch"])["torch"](), want)
+    dz, dw = pts.runners("head_gemm", None, sizes[0], ["torch"], phase="train")["torch"]()
+    zz, ww = z.clone().requires_grad_(), w.clone().requires_grad_()
+    dy = torch.randn(want.shape, generator=torch.Generator().manual_seed(1))
+    ref = torch.autograd.grad(torch.einsum("mhk,khf->mhf", zz, ww.reshape(8, 2, 4)).reshape(30, 8),
+                              (zz, ww), dy)
+    torch.testing.assert_close((dz, dw), ref)
+    g = gen.build(GRAPHS[0])
+    gi = GraphInfo(g)
+    assert pts.graph_sizes("spmm_heads", config) == [{"heads": 2, "k": 8}]
+    w_e, x = pts.graph_inputs("spmm_heads", gi, {"heads": 2, "k": 8})
+    src, dst = gi.edges()
+    want = torch.zeros(gi.num_dst, 2, 8).index_add_(0, dst.long(), w_e[:, :, None] * x[src.long(), None])
+    for fn in pts.runners("spmm_heads", gi, {"heads": 2, "k": 8}, ["native", "dgl"]).values():
+        torch.testing.assert_close(fn(), want, rtol=1e-4, atol=1e-4)
+    assert not set(pts.PER_HEAD) & set(pts.quick_config().prims)
 
 
 def test_training_phase_is_profiled_and_trained(tmp_path):

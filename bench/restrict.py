@@ -11,7 +11,8 @@ EXCLUDED = ("native",)
 
 
 class WithoutNative:
-    """Wraps a cost model (``predict(prim, impl, gi, dims)``); ``impl`` in ``EXCLUDED`` costs inf."""
+    """Wraps a cost model (``predict`` and ``predict_train(prim, impl, gi, dims)``); ``impl`` in
+    ``EXCLUDED`` costs inf in both phases."""
 
     def __init__(self, inner, excluded=EXCLUDED):
         self.inner = inner
@@ -23,9 +24,15 @@ class WithoutNative:
             return math.inf
         return self.inner.predict(prim, impl, gi, dims)
 
-    def has_model(self, prim, impl):
+    def predict_train(self, prim, impl, gi, dims):
+        if impl in self.excluded:
+            return math.inf
+        train = getattr(self.inner, "predict_train", None)
+        return train(prim, impl, gi, dims) if train is not None else None
+
+    def has_model(self, prim, impl, phase="forward"):
         return impl not in self.excluded and getattr(self.inner, "has_model",
-                                                     lambda *a: False)(prim, impl)
+                                                     lambda *a: False)(prim, impl, phase)
 
 
 def uses_excluded(model, excluded=EXCLUDED):

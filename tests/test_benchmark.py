@@ -151,6 +151,8 @@ def test_restricted_cost_model_never_picks_native(cost_model):
     from bench.restrict import WithoutNative
     r = WithoutNative(cost_model)
     assert r.predict("spmm", "native", None, {}) == math.inf
+    assert r.predict_train("spmm", "native", None, {}) == math.inf
+    assert not r.has_model("spmm_heads", "native", "train")
     assert "without native" in r.name
 
 

@@ -80,7 +80,8 @@ def against_float64(fresh, prepare, run, training=True, seed=0):
     for name, want in exact.items():
         own = rel_err(dgl32.get(name), want)
         if not own <= 10 * TOL:
-            return False, float("inf"), f"DGL's float32 and float64 runs differ on {name} ({own:.1e})"
+            return (False, float("inf"),
+                    f"DGL's float32 and float64 runs differ on {name} ({own:.1e})")
         ratio = rel_err(got.get(name), want) / max(TOL, 2 * own)
         if ratio > worst or ratio != ratio:
             worst, where = ratio, name

@@ -40,8 +40,8 @@ REFERENCE = {
     "sparse": ("spmm", "dgl", "uniform:n=65536,m=524288,seed=11,undirected=1", {"k": 64}),
     "small": ("spmm", "dgl", "uniform:n=2000,m=8000,seed=12,undirected=1", {"k": 32}),
 }
-CLASS = {"gemm": "gemm", "head_gemm": "gemm", "row_scale": "stream", "add": "stream", "cat": "stream",
-         "row_slice": "stream", "diag_mul": "stream"}
+CLASS = {"gemm": "gemm", "head_gemm": "gemm", "row_scale": "stream", "add": "stream",
+         "cat": "stream", "row_slice": "stream", "diag_mul": "stream"}
 FORMAT = 1
 
 

@@ -182,8 +182,8 @@ def test_configs_cover_the_registry():
         assert nodes > 0 and edges > 0
 
 
-ALL_GRAPH_PRIMS = ["spmm", "spmm_weighted", "sddmm_scale", "sddmm_add", "edge_softmax", "spmm_heads",
-                   "spmm_mean", "spmm_max", "spmm_norm", "gat_aggregate"]
+ALL_GRAPH_PRIMS = ["spmm", "spmm_weighted", "sddmm_scale", "sddmm_add", "edge_softmax",
+                   "spmm_heads", "spmm_mean", "spmm_max", "spmm_norm", "gat_aggregate"]
 
 
 @pytest.mark.parametrize("prim", ALL_GRAPH_PRIMS)
@@ -245,7 +245,8 @@ def test_per_head_points_compute_the_per_head_products():
     assert pts.graph_sizes("spmm_heads", config) == [{"heads": 2, "k": 8}]
     w_e, x = pts.graph_inputs("spmm_heads", gi, {"heads": 2, "k": 8})
     src, dst = gi.edges()
-    want = torch.zeros(gi.num_dst, 2, 8).index_add_(0, dst.long(), w_e[:, :, None] * x[src.long(), None])
+    want = torch.zeros(gi.num_dst, 2, 8).index_add_(0, dst.long(),
+                                                   w_e[:, :, None] * x[src.long(), None])
     for fn in pts.runners("spmm_heads", gi, {"heads": 2, "k": 8}, ["native", "dgl"]).values():
         torch.testing.assert_close(fn(), want, rtol=1e-4, atol=1e-4)
     assert not set(pts.PER_HEAD) & set(pts.quick_config().prims)

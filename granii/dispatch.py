@@ -656,7 +656,7 @@ def _describe(decision, call):
     label = decision[0]
     if label == ORIGINAL:
         return {"plan": ORIGINAL}
-    plan = next(p for p in call.compiled.plans if f"[{p.index}]" == label)
+    plan = next(p for p in call.compiled.plans if f"[{p.index}]" == label.split(" ")[0])
     return {"plan": str(plan.index), "impls": list(decision[3]) if len(decision) > 3 else None,
             "composition": plan.composition()}
 
@@ -690,7 +690,10 @@ def _decide(state, options, call):
     cands = [chosen]
     for c in trial_candidates(ranking)[1:]:
         f, _ = compile_plan(c.plan, c.impls)
-        cands.append((f"[{c.plan.index}]", f, leaf_vals_order(c.plan), c.impls))
+        label = f"[{c.plan.index}]"
+        if any(label == lb.split(" ")[0] for lb, *_ in cands):     # another implementation
+            label += " " + "/".join(i for i in c.impls if i != "inline")
+        cands.append((label, f, leaf_vals_order(c.plan), c.impls))
     # DGL runs Python message and reduce functions once per degree bucket: timing that forward
     # would cost several calls at many times a plan's time, and it never wins
     if not getattr(call.compiled.layer_ir, "udfs", ()):
@@ -718,11 +721,12 @@ def _tuning(options, call):
 @dataclass
 class Trial:
     """A measured tie-break (like cuDNN's benchmark mode): the best predicted plan, the next one
-    when predicted within ``TRIAL_MARGIN`` of it, and the layer's original forward take turns on
-    the first calls of a decision (each call returns the same result); after one untimed and
-    ``TRIAL_ROUNDS`` timed calls each, the one with the fastest median time is kept: the forward,
-    and in training the forward and the layer's backward (``BackwardClock``), recorded when the
-    next call comes.
+    when predicted within ``TRIAL_MARGIN`` of it, the best plan with another implementation of a
+    graph kernel when predicted within that margin too (``select.trial_candidates``), and the
+    layer's original forward take turns on the first calls of a decision (each call returns the
+    same result); after one untimed and ``TRIAL_ROUNDS`` timed calls each, the one with the
+    fastest median time is kept: the forward, and in training the forward and the layer's
+    backward (``BackwardClock``), recorded when the next call comes.
     So a wrong prediction costs at most those calls, and granii is never kept slower than DGL's
     own layer as measured. A candidate whose fastest timed call is more than ``TRIAL_DROP``
     times the fastest timed call of another leaves the trial at once (``drop_slow``): a plan

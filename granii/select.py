@@ -50,6 +50,9 @@ class Choice:
     impls: tuple
     cost: float
     step_costs: list          # (step, impl, seconds as counted)
+    # (position, implementation, seconds more than the chosen one) of a graph step's other
+    # implementations
+    alternatives: tuple = ()
 
 
 def scenario(symbols):
@@ -79,7 +82,10 @@ def rank(plans, gi, symbols, model, training=False, input_grad=False,
 def trial_candidates(ranking, margin=TRIAL_MARGIN, most=TRIAL_PLANS):
     """The choices a measured tie-break times on the first calls (besides the layer's own
     forward): the best predicted, then the next ones predicted within ``margin`` of it whose work
-    on the graph differs (``graph_work``), at most ``most`` in all.
+    on the graph differs (``graph_work``), at most ``most`` in all; then the best plan with
+    another implementation of one of its graph kernels (``variants``), the cheapest predicted
+    within ``margin``: on small graphs two SpMM kernels are often predicted within a few percent
+    of each other.
 
     Plans that run the same graph kernels on the same sizes differ only in dense products,
     which the models predict well; their graph kernels, irregular, are where predictions miss.
@@ -94,7 +100,21 @@ def trial_candidates(ranking, margin=TRIAL_MARGIN, most=TRIAL_PLANS):
         if what not in seen:
             seen.add(what)
             picked.append(c)
+    for c in sorted(variants(best), key=lambda c: c.cost):
+        if c.cost <= margin * best.cost and graph_work(c) not in seen:
+            picked.append(c)
+            break
     return picked
+
+
+def variants(choice):
+    """``choice`` with one graph step run by another implementation, priced by the difference."""
+    out = []
+    for pos, impl, extra in choice.alternatives:
+        impls = list(choice.impls)
+        impls[pos] = impl
+        out.append(Choice(choice.plan, tuple(impls), choice.cost + extra, choice.step_costs))
+    return out
 
 
 def graph_work(choice):
@@ -107,7 +127,7 @@ def graph_work(choice):
 
 def price(plan, gi, symbols, model, training, input_grad, expected_calls, cacheable=False):
     grad_vars = _needs_grad(plan, training, input_grad)
-    impls, rows, total = [], [], 0.0
+    impls, rows, total, alts = [], [], 0.0, []
     for step in plan.steps:
         if step.sig is None:
             impls.append("inline")
@@ -132,10 +152,12 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
             amortised = step.when == GRAPH or (step.when == INPUT and cacheable)
             options.append((t / expected_calls if amortised else t, impl))
         t, impl = min(options)
+        if "E" in step.sig[2]:
+            alts += [(len(impls), other, u - t) for u, other in options if other != impl]
         impls.append(impl)
         rows.append((step, impl, t))
         total += t
-    return Choice(plan, tuple(impls), total, rows)
+    return Choice(plan, tuple(impls), total, rows, tuple(alts))
 
 
 def step_seconds(model, prim, impl, gi, dims, heads=1, needed=()):

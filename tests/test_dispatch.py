@@ -11,6 +11,7 @@ from torch import nn
 from granii import granii
 from granii.costmodel import AnalyticalCost
 from granii.dispatch import TRIAL_ROUNDS, layer_states
+from granii.select import TRIAL_PLANS
 
 
 def _graph():
@@ -38,7 +39,9 @@ def test_trial_calls_give_dgls_results_and_settle():
     model = copy.deepcopy(ref)
     x = torch.randn(g.num_nodes(), 12)
     granii(model, g, x, cost_model=AnalyticalCost())
-    n_calls = 3 * (TRIAL_ROUNDS + 1) + 2
+    # the plans, one implementation variant and the original forward: one untimed and
+    # TRIAL_ROUNDS timed calls each, the last backward recorded on the call after
+    n_calls = (TRIAL_PLANS + 2) * (TRIAL_ROUNDS + 1) + 2
     for i in range(n_calls):
         torch.manual_seed(100 + i)
         out = model(g, x)
@@ -661,3 +664,51 @@ def test_trial_times_plans_whose_graph_work_differs():
     assert graph_work(best) == graph_work(twin) != graph_work(other)
     assert trial_candidates([best, twin, other, far]) == [best, other]
     assert trial_candidates([best, twin, far]) == [best]
+
+
+def test_trial_times_the_best_plan_with_another_graph_kernel():
+    """Besides the other plans, the tie-break times the best plan with another implementation
+    of one graph step when it is predicted within the margin; the label in the trial tells the
+    two apart and the kept decision names the plan."""
+    from types import SimpleNamespace as NS
+    from granii.select import Choice, trial_candidates, variants
+    st = [NS(prim="row_scale", sig=("row_scale", False, ("N", "k"))),
+          NS(prim="spmm", sig=("spmm", False, ("E", "k")))]
+    plan = NS(steps=st)
+    best = Choice(plan, ("torch", "torch_csr"), 1.0, [], ((1, "native", 0.01), (1, "dgl", 0.6)))
+    other = Choice(NS(steps=[NS(prim="gemm", sig=("gemm", False, ("N", "k", "k_out"))),
+                             NS(prim="spmm", sig=("spmm", False, ("E", "k_out")))]),
+                   ("torch", "native"), 1.1, [])
+    assert [c.impls for c in variants(best)] == [("torch", "native"), ("torch", "dgl")]
+    picked = trial_candidates([best, other])
+    assert [c.impls for c in picked] == [("torch", "torch_csr"), ("torch", "native"),
+                                         ("torch", "native")]
+    assert picked[1] is other and picked[2].plan is plan
+    assert picked[2].cost == pytest.approx(1.01)
+    best.alternatives = ((1, "dgl", 0.6),)                 # beyond the margin: not timed
+    assert len(trial_candidates([best, other])) == 2
+
+
+def test_gin_trial_runs_an_implementation_variant_and_keeps_dgls_results():
+    """A GIN layer whose SpMM implementations are predicted close takes a variant into its
+    trial; every trial call still returns DGL's output, and the kept decision names a plan."""
+    from dgl.nn import GINConv
+    dgl.seed(0)
+    g = dgl.add_self_loop(dgl.rand_graph(400, 3000))
+    torch.manual_seed(0)
+    ref = GINConv(nn.Linear(16, 16), "sum")
+    layer = copy.deepcopy(ref)
+    x = torch.randn(400, 16)
+    granii(layer, g, x, cost_model=AnalyticalCost())     # prices the SpMM kernels alike
+    for i in range(20):
+        xi = torch.randn(400, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(g, xi), ref(g, xi), atol=1e-5, rtol=1e-4)
+    st = layer_states(layer)[0]
+    times, kept = st.tuned
+    labels = [lb for lb, _ in times]
+    assert kept in labels
+    variant = [lb for lb in labels if " " in lb and lb.startswith("[")]
+    assert variant and variant[0].split(" ")[0] in labels
+    (decision,) = st.chosen.values()
+    assert decision["plan"] != "original forward" or kept == "original forward"

@@ -56,8 +56,12 @@ class Choice:
 
 
 def scenario(symbols):
-    if "k_in" in symbols and "k_out" in symbols:
-        return GE if symbols["k_in"] >= symbols["k_out"] else LT
+    """The size scenario of a call, or ``None`` when every promoted plan competes: without both
+    widths, and at ``k_in == k_out``, where the two orders of a product and an aggregation are
+    symbolic duplicates (``prune`` keeps one per scenario) that run at different speeds (which
+    side a bias or self term fuses into, which result is fresh in cache)."""
+    if "k_in" in symbols and "k_out" in symbols and symbols["k_in"] != symbols["k_out"]:
+        return GE if symbols["k_in"] > symbols["k_out"] else LT
     return None
 
 

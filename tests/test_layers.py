@@ -73,6 +73,23 @@ def test_gin_tree_counts():
     assert sorted(p.scenarios for p in comp.plans) == [("<",), (">=",)]
 
 
+@pytest.mark.parametrize("k_in,k_out,orders", [(6, 6, 2), (6, 3, 1), (3, 6, 1)])
+def test_equal_widths_let_both_orders_compete(k_in, k_out, orders):
+    """At k_in == k_out, aggregating first and multiplying first are symbolic duplicates (each
+    scenario keeps one), yet they run at different speeds (GIN's bias and self term fuse into
+    the GEMM only when it comes last): both are ranked. Otherwise only the scenario's plans."""
+    from granii.costmodel import AnalyticalCost
+    from granii.dispatch import new_state, prepare
+    from granii.select import rank
+    g = GRAPHS["directed"]()
+    layer = GINConv(nn.Linear(k_in, k_out), "sum")
+    with torch.no_grad():
+        call = prepare(new_state(layer), layer, (g, torch.randn(g.num_nodes(), k_in)), {})
+    ranked = rank(call.compiled.plans, call.gi, call.symbols, AnalyticalCost())
+    assert len({c.plan.index for c in ranked}) == orders
+    assert len({c.plan.scenarios for c in ranked}) == orders
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_sgc(k):
     check_layer(lambda a, b: SGConv(a, b, k=k, allow_zero_in_degree=True))

@@ -206,8 +206,8 @@ def _predict(model, prim, impl, gi, dims, heads, phase="forward"):
 
 def _per_head(model, prim, impl, gi, dims, heads, phase):
     """Seconds of a per-head primitive: by its own model where the machine's models have one
-    (profiled by the full and ``--graph-stride`` runs, not by ``--quick``), else from one-head
-    ones:
+    (profiled by the full and ``--graph-stride`` runs, not by ``--quick``) or the models they
+    fall back to do, else from one-head ones:
 
         head_gemm  (m, k, H F)    = H gemm (m, k, F)
         spmm_heads (E, k), native = spmm_weighted (E, k) + (H - 1) / 2 row_scale (n, k)
@@ -234,9 +234,18 @@ def _per_head(model, prim, impl, gi, dims, heads, phase):
 
 
 def _learned(model, prim, impl, phase):
-    """Whether ``model`` has a model of its own for ``(prim, impl)`` in ``phase``."""
-    has = getattr(model, "has_model", None)
-    return has is not None and has(prim, impl, phase)
+    """Whether ``model``, or a learned model it falls back to for pairs it lacks (another
+    machine's models transferred), has a model for ``(prim, impl)`` in ``phase``: a
+    ``--quick`` init has no per-head models, and those of the shipped models price the per-head
+    plans better than one-head derivations, which underpriced them up to 3x."""
+    while model is not None:
+        has = getattr(model, "has_model", None)
+        if has is None:
+            return False
+        if has(prim, impl, phase):
+            return True
+        model = getattr(model, "fallback", None)
+    return False
 
 
 def _heads_backward(model, impl, gi, dims, heads, f, needed):

@@ -78,15 +78,17 @@ class Config:
 def quick_config():
     """About a minute and a half of profiling (``granii-init --quick`` stops it at 100 s): every
     graph of the quick corpus, three sizes, small grids, no waiting for a quiet machine (points
-    measured under load are flagged). On an AVX2 machine the plans these models chose ran
-    1.065x the fastest (geomean over 96 layer configurations, ``results/selection_avx2/``); those
-    of ``--graph-stride 3`` (11 min) 1.058x, and the full models of an AVX-512 machine rescaled by
-    a calibration of it 1.055x. The per-head primitives are left to the longer runs: without
-    their models ``select`` prices them from the one-head ones."""
+    measured under load are flagged). On an AVX2 machine, with the tie-break, the plans these
+    models chose ran 1.049x the fastest (geomean over 96 layer configurations,
+    ``results/selection_avx2/quick_init_current``); those of ``--graph-stride 3`` (10 min)
+    1.031x, and the full models of an AVX-512 machine rescaled by a calibration of it 1.036x.
+    ``gat_aggregate`` is profiled up to ``k = 4 x 64``, the widths of DGL's GAT examples. The
+    per-head primitives are left to the longer runs: without their models ``select`` prices them
+    by the models it falls back to, or from the one-head ones."""
     names = [n for n, _ in gen.corpus("quick")]
     prims = [p for p in GRAPH_PRIMS + DENSE_PRIMS if p not in PER_HEAD]
-    return Config("quick", graphs=names, prims=prims, ks=[32, 96, 256], heads=[1, 4], gat_f=[16],
-                  blocks_every=4, gemm_m=[300, 5000, 60000, 400000],
+    return Config("quick", graphs=names, prims=prims, ks=[32, 96, 256], heads=[1, 4],
+                  gat_f=[16, 64], blocks_every=4, gemm_m=[300, 5000, 60000, 400000],
                   gemm_kn=[16, 64, 256, 1024],
                   row_n=[1000, 50000, 1000000], row_k=[16, 256], warmup=1, repeat=3,
                   repeat_fast=5, budget=0.15, max_call=0.08, max_wait=0.0, wait_budget=0.0,

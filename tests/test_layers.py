@@ -355,6 +355,23 @@ def test_per_head_primitives_use_their_own_models_when_profiled():
                      ("spmm_heads", "train", {"k": 64, "heads": 4})]
 
 
+def test_per_head_primitives_use_the_models_fallen_back_to():
+    """Models without per-head ones (a ``--quick`` init) whose fallback (another machine's models,
+    transferred) has them: the per-head primitives are priced through those, not derived."""
+    from types import SimpleNamespace as NS
+    from granii.select import _predict
+    asked = []
+    other = NS(has_model=lambda prim, impl, phase="forward": prim == "head_gemm",
+               fallback=None)
+    quick = NS(has_model=lambda prim, impl, phase="forward": prim == "gemm", fallback=other,
+               predict=lambda prim, impl, gi, dims: asked.append(prim) or 2.0)
+    assert _predict(quick, "head_gemm", "torch", None, {"m": 500, "k": 64, "n": 64}, 4) == 2.0
+    assert asked == ["head_gemm"]
+    other.has_model = lambda prim, impl, phase="forward": False      # nobody has it: 4 GEMMs
+    assert _predict(quick, "head_gemm", "torch", None, {"m": 500, "k": 64, "n": 64}, 4) == 8.0
+    assert asked == ["head_gemm", "gemm"]
+
+
 def _sage_on_loader(per_batch, monkeypatch):
     """A 2-layer SAGE over the batches of a neighbour-sampling loader, DGL beside granii;
     returns the states of granii's layers and how many times a layer ranked plans."""

@@ -53,8 +53,8 @@ from granii.learned import default_cost_model  # noqa: E402
 from granii.select import rank, trial_candidates  # noqa: E402
 from granii.plan import compile_plan  # noqa: E402
 from scripts.validate_costmodels import (_canonical, _key_text, base_graph,  # noqa: E402
-                                         block_index, candidates, make_layer, prepared, study_graph,
-                                         timed_candidates)
+                                         block_index, candidates, make_layer, mode_flags,
+                                         prepared, study_graph, timed_candidates)
 
 DGL = "dgl-layer"
 RULES = ("granii", "granii + trial", "per model", "per sizes", "nearest graph", "DGL layer")
@@ -149,9 +149,8 @@ def granii_choices(rows, model):
             g = graphs[r["graph"]] = study_graph(r["graph"])
         layer = make_layer(r["layer"], r["k_in"], r["k_out"])
         call, _ = prepared(layer, g, r["k_in"], r["mode"])
-        training = r["mode"] == "train"
-        ranking = rank(call.compiled.plans, call.gi, call.symbols, model, training=training,
-                       input_grad=training)
+        ranking = rank(call.compiled.plans, call.gi, call.symbols, model,
+                       **mode_flags(r["mode"]))
         c = ranking[0]
         trial = [_key_text((t.plan.index, _canonical(t.plan, t.impls)))
                  for t in trial_candidates(ranking)] + [DGL]

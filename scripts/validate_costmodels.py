@@ -22,8 +22,11 @@ Writes ``results/costmodels/report.md``, ``primitives.csv``, ``regret.csv`` and 
 ``pred_vs_measured.png``, ``regret.png``. Usage: ``OMP_NUM_THREADS=2 python -m
 scripts.validate_costmodels [--quick] [--models costmodels/<id>]``.
 
-Part 3 (``selection``), plan choice of GraphConv, GIN, SAGE and GAT (4 heads) as hidden layers,
-inference and training: ``--measure`` times every candidate of each configuration side by side
+Part 3 (``selection``), plan choice of GraphConv, GIN, SAGE and GAT (4 heads), inference and
+training, as hidden layers (``--modes infer train``, the default: new features at each call,
+needing a gradient in training) or as first layers on fixed features (``infer-same
+train-same``: the same tensor each call, no gradient, so work on the features alone is kept
+between calls as granii keeps it, ``MODES``): ``--measure`` times every candidate of each configuration side by side
 (wall clock and process CPU time; GAT's unfused plans only where edge scores and softmax use one
 library) into ``selection_times.jsonl``; ``--report`` ranks the candidates with each cost model
 (this machine's, other machines' rescaled by the calibration, the roofline with calibrated and
@@ -509,7 +512,9 @@ def main(argv=None):
         ap.add_argument("--graphs", nargs="+", type=study_graph_name,
                         help="shipped graphs; <graph>/block<i> for block i of a neighbour "
                              "sampler on it")
-        ap.add_argument("--modes", nargs="+", default=["infer", "train"])
+        ap.add_argument("--modes", nargs="+", default=["infer", "train"], choices=list(MODES),
+                        help="infer/train: a hidden layer (new features at each call); "
+                        "infer-same/train-same: a first layer on fixed features")
         ap.add_argument("--repeat", type=int, default=3,
                         help="rounds of every candidate per configuration (default 3)")
         ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
@@ -643,14 +648,30 @@ def make_layer(name, k_in, k_out):
     raise ValueError(name)
 
 
+# mode: (training, the features need a gradient, the same features come back at each call)
+MODES = {"infer": (False, False, False), "train": (True, True, False),
+         "infer-same": (False, False, True), "train-same": (True, False, True)}
+
+
+def mode_flags(mode):
+    """``rank``'s ``training``, ``input_grad`` and ``input_repeats`` for a study mode: ``infer``
+    and ``train`` time a hidden layer (new features at each call; in training they need a
+    gradient), ``infer-same`` and ``train-same`` a first layer on fixed features (the same tensor
+    every call, no gradient: work on the features alone is done once and reused)."""
+    training, input_grad, repeats = MODES[mode]
+    return {"training": training, "input_grad": input_grad, "input_repeats": repeats}
+
+
 def prepared(layer, g, k_in, mode):
-    """The bound call of ``layer`` as a hidden layer (features needing a gradient in training,
-    new features at each call in inference)."""
+    """The bound call of ``layer`` in ``mode`` (``MODES``): training mode or eval, features
+    needing a gradient or not."""
     feat = torch.randn(g.num_src_nodes(), k_in, generator=torch.Generator().manual_seed(1))
-    if mode == "train":
+    training, input_grad, _ = MODES[mode]
+    if training:
         layer.train()
-        feat.requires_grad_(True)
-        call = prepare(_state(layer), layer, (g, feat), {})
+        feat.requires_grad_(input_grad)
+        with torch.enable_grad():
+            call = prepare(_state(layer), layer, (g, feat), {})
     else:
         layer.eval()
         with torch.no_grad():
@@ -677,23 +698,29 @@ def candidates(call, pruned=False):
 
 
 def candidate_fns(call, layer, feat, mode):
+    """``{candidate key: one call}`` (forward, and in training the backward to every gradient
+    needed). With new features at each call the work kept per input is dropped before each call;
+    with the same features it is kept, as granii keeps it."""
     fns = {}
-    params = [p for p in layer.parameters() if p.requires_grad]
+    training, _, repeats = MODES[mode]
+    wrt = ([feat] if feat.requires_grad else []) + [p for p in layer.parameters()
+                                                     if p.requires_grad]
+    drop = (lambda gi: None) if repeats else _drop_inputs
     for key, (plan, impls) in candidates(call, pruned=True).items():
         fn, _ = compile_plan(plan, impls)
         args = _lead_args(fn, call) + [call.leaf_vals[v] for v in leaf_vals_order(plan)]
-        if mode == "train":
+        if training:
             with torch.enable_grad():
                 dy = torch.randn_like(fn(*args))
 
             def run(fn=fn, args=args, dy=dy, gi=call.gi):
-                _drop_inputs(gi)
+                drop(gi)
                 with torch.enable_grad():
                     out = fn(*args)
-                    return torch.autograd.grad(out, [feat] + params, dy, allow_unused=True)
+                    return torch.autograd.grad(out, wrt, dy, allow_unused=True)
         else:
             def run(fn=fn, args=args, gi=call.gi):
-                _drop_inputs(gi)
+                drop(gi)
                 with torch.no_grad():
                     return fn(*args)
         fns[key] = run
@@ -724,9 +751,8 @@ def ranked_first(call, mode, most=4):
     """The keys of the candidates this machine's cost model ranks first (granii's choice and its
     tie-break's), so a subset of the candidates still times what granii picks."""
     from granii.learned import default_cost_model
-    training = mode == "train"
     ranking = rank(call.compiled.plans, call.gi, call.symbols, default_cost_model(),
-                   training=training, input_grad=training)
+                   **mode_flags(mode))
     return {(c.plan.index, _canonical(c.plan, c.impls)) for c in ranking[:most]}
 
 
@@ -766,15 +792,16 @@ def measure_layers(graphs, layers, sizes, modes, probe, wait, log, out_path, thr
                 keep = set(gat_subset(candidates(call, pruned=True))) | ranked_first(call, mode)
                 fns = {k: fns[k] for k in keep if k in fns}
             fns = {_key_text(k): f for k, f in fns.items()}
-            params = [p for p in layer.parameters() if p.requires_grad]
-            if mode == "train":
+            wrt = ([feat] if feat.requires_grad else []) + [p for p in layer.parameters()
+                                                             if p.requires_grad]
+            if MODES[mode][0]:
                 with torch.enable_grad():
                     dy = torch.randn_like(layer(g, feat).reshape(g.num_dst_nodes(), -1))
 
                 def dgl_run(layer=layer, feat=feat, dy=dy):
                     with torch.enable_grad():
                         out = layer(g, feat).reshape(g.num_dst_nodes(), -1)
-                        return torch.autograd.grad(out, [feat] + params, dy, allow_unused=True)
+                        return torch.autograd.grad(out, wrt, dy, allow_unused=True)
             else:
                 def dgl_run(layer=layer, feat=feat):
                     with torch.no_grad():
@@ -823,9 +850,8 @@ def layer_choices(rows, models, metric="min_times"):
                                    "contended")}
         entry.update(best=best, best_s=times[best], dgl_s=r[metric].get("dgl-layer"))
         for m, model in models.items():
-            training = r["mode"] == "train"
-            c = rank(call.compiled.plans, call.gi, call.symbols, model, training=training,
-                     input_grad=True)[0]
+            c = rank(call.compiled.plans, call.gi, call.symbols, model,
+                     **mode_flags(r["mode"]))[0]
             key = _key_text((c.plan.index, _canonical(c.plan, c.impls)))
             entry[f"{m}_choice"] = key
             entry[f"{m}_regret"] = times[key] / times[best] if key in times else float("nan")

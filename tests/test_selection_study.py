@@ -36,3 +36,34 @@ def test_blocks_reuse_the_first_blocks_decision():
     assert got[id(b2)] == (b0, b1) and got[id(b1)] == (b0, b1) and got[id(b0)] == (b0, b1)
     assert got[id(cora)] == (cora, cora) and got[id(infer)] == (infer, infer)
     assert id(whole) not in got
+
+
+
+def test_repeated_feature_modes_keep_the_work_done_once_per_input():
+    """``infer-same`` / ``train-same`` time a first layer on fixed features: the work kept per
+    input survives between calls (a hidden layer's ``infer`` drops it before each call), the
+    features need no gradient, and granii ranks with ``input_repeats``."""
+    import dgl
+    from dgl.nn import GraphConv
+
+    from granii.plan import INPUT
+    from scripts import validate_costmodels as vc
+
+    def kept(gi):
+        return {k: v[2] for k, v in gi.cache.items() if isinstance(k, tuple) and k[0] == "input"}
+    g = dgl.add_self_loop(dgl.rand_graph(60, 300))
+    for mode, repeats in (("infer", False), ("infer-same", True), ("train-same", True)):
+        torch.manual_seed(0)
+        layer = GraphConv(8, 16, norm="both", allow_zero_in_degree=True)
+        call, feat = vc.prepared(layer, g, 8, mode)
+        assert not feat.requires_grad
+        assert vc.mode_flags(mode)["input_repeats"] is repeats
+        key = next(k for k, (p, _) in vc.candidates(call).items()
+                   if any(s.when == INPUT for s in p.steps))
+        run = vc.candidate_fns(call, layer, feat, mode)[key]
+        run()
+        before = kept(call.gi)
+        run()
+        after = kept(call.gi)
+        assert before and before.keys() == after.keys(), mode
+        assert all((after[k] is v) is repeats for k, v in before.items()), mode

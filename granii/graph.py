@@ -12,6 +12,7 @@ graph alone (degree powers, normalised edge values, CSR matrices) in ``cache``: 
 import os
 import weakref
 
+import dgl
 import torch
 
 
@@ -154,8 +155,16 @@ class GraphInfo:
         return self.memo("in_deg", lambda: self.g.in_degrees().float())
 
     def out_degrees(self):
-        """Float out-degrees of the source nodes, ``A^T 1``."""
-        return self.memo("out_deg", lambda: self.g.out_degrees().float())
+        """Float out-degrees of the source nodes, ``A^T 1``: counted over the in-edge index (a
+        sampled block comes with it; DGL's ``out_degrees`` would build the out-edge index first,
+        about ten times the count's cost)."""
+        def make():
+            try:
+                _, src, _ = self.g.adj_tensors("csc")
+            except dgl.DGLError:            # a graph restricted to other formats
+                return self.g.out_degrees().float()
+            return torch.bincount(src, minlength=self.num_src).float()
+        return self.memo("out_deg", make)
 
     def edges(self):
         """``(src, dst)`` node ids of each edge, in edge-id order."""

@@ -335,6 +335,43 @@ def test_int64_indices_and_widths():
 
 
 @needs_native
+@pytest.mark.parametrize("name", ["random", "block", "loops", "empty"])
+def test_index_structures_match_dgl(name):
+    """The per-graph index the kernels use: ``A``'s CSR in the index type with source
+    out-degrees counted in the same pass, and ``A^T`` transposed from it, match DGL's in-edge
+    and out-edge indices and degrees (entries of a row in any order), with each transposed
+    entry's position in ``A``."""
+    g = {"random": _random, "block": _block,
+         "loops": _loops_and_duplicates,
+         "empty": lambda: dgl.graph(([], []), num_nodes=4)}[name]()
+    gi = graph_info(g)
+    a, at = native.csr_index(gi, "a"), native.csr_index(gi, "at")
+    assert a.indptr.dtype == at.indptr.dtype == torch.int32
+    assert torch.equal(gi.out_degrees(), g.out_degrees().float())
+
+    def entries(idx, which):
+        ip, ix = idx.indptr.long(), idx.indices.long()
+        e = torch.arange(ix.numel()) if idx.eids is None else idx.eids.long()
+        rows = torch.repeat_interleave(torch.arange(ip.numel() - 1), ip.diff())
+        src, dst = (ix, rows) if which == "a" else (rows, ix)
+        return sorted(zip(src.tolist(), dst.tolist(), e.tolist()))
+    u, v = g.edges(order="eid")
+    want = sorted(zip(u.tolist(), v.tolist(), range(g.num_edges())))
+    assert entries(a, "a") == want and entries(at, "at") == want
+    assert torch.equal(at.indptr.long().diff(), g.out_degrees())
+    pos = native.transposed_positions(gi).long()
+    a_eids = torch.arange(g.num_edges()) if a.eids is None else a.eids.long()
+    assert torch.equal(a_eids[pos], at.eids.long())
+    assert torch.equal(a.indices.long()[pos],
+                       torch.repeat_interleave(torch.arange(gi.num_src), at.indptr.long().diff()))
+    ip, ix = a.indptr.long(), a.indices.long()          # int64 in, int64 out
+    t = torch.ops.granii.csr_transpose(ip, ix, None, gi.num_src)
+    assert all(x.dtype == torch.int64 for x in t) and torch.equal(t[0], at.indptr.long())
+    with pytest.raises(RuntimeError):                   # a column outside the matrix
+        torch.ops.granii.csr_transpose(a.indptr, a.indices, None, 0 if g.num_edges() else -1)
+
+
+@needs_native
 def test_operator_checks():
     g = _random()
     idx = native.csr_index(graph_info(g))

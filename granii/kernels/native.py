@@ -108,17 +108,34 @@ class CsrIndex:
 
 
 def csr_index(gi, which="a"):
-    """The ``CsrIndex`` of ``A`` or ``A^T`` of graph ``gi``, built once per graph on first use."""
+    """The ``CsrIndex`` of ``A`` or ``A^T`` of graph ``gi``, built once per graph on first use.
+
+    ``A`` is DGL's in-edge index (a sampled block comes with it) in the index type, read in one
+    pass (``csr_narrow``) that also counts the source out-degrees, which ``gi.out_degrees()``
+    then returns. ``A^T`` is transposed from it (``csr_transpose``, a counting sort), which also
+    gives the position in ``A`` of each entry (``transposed_positions``). On a block, DGL's
+    out-degrees and out-edge index would each cost several times as much, and each block is
+    used once."""
     def make():
-        indptr, indices, eids = gi.csr_in() if which == "a" else gi.csr_out()
+        if which == "at":
+            a = csr_index(gi, "a")
+            indptr, indices, eids, pos = torch.ops.granii.csr_transpose(
+                a.indptr, a.indices, a.eids, gi.num_src)
+            gi.cache[("native_csr_pos", "at")] = pos
+            return CsrIndex(indptr, indices, eids, gi.num_src, gi.num_dst)
         small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
-        dtype = torch.int32 if small else torch.int64
-        ident = eids.numel() == 0 or bool(torch.equal(
-            eids, torch.arange(eids.numel(), dtype=eids.dtype)))
-        rows, cols = (gi.num_dst, gi.num_src) if which == "a" else (gi.num_src, gi.num_dst)
-        return CsrIndex(indptr.to(dtype).contiguous(), indices.to(dtype).contiguous(),
-                        None if ident else eids.to(dtype).contiguous(), rows, cols)
+        indptr, indices, eids, counts = torch.ops.granii.csr_narrow(
+            *(t.long().contiguous() for t in gi.g.adj_tensors("csc")), gi.num_src, small)
+        gi.memo("out_deg", lambda: counts)
+        return CsrIndex(indptr, indices, eids, gi.num_dst, gi.num_src)
     return gi.memo(("native_csr", which), make)
+
+
+def transposed_positions(gi):
+    """Position in the CSR of ``A`` of each entry of the CSR of ``A^T`` (the same edge), in the
+    index type of the CSR; once per graph."""
+    csr_index(gi, "at")
+    return gi.cache[("native_csr_pos", "at")]
 
 
 def degree_scales(gi, a, b, dtype=torch.float32):

@@ -59,16 +59,10 @@ def _csr(gi, which):
 
 
 def _t2in(gi):
-    """Position in the CSR of ``A`` of each entry of the CSR of ``A^T`` (the same edge), in the
-    index type of the CSR; once per graph. The backward writes per-edge values in ``A``'s order
-    through it, so their destination-side sums read contiguous rows."""
-    def make():
-        indptr, _, eid_a = _csr(gi, "a")
-        _, _, eid_t = _csr(gi, "at")
-        ar = torch.arange(gi.num_edges)
-        pos = ar if eid_a is None else torch.empty_like(ar).scatter_(0, eid_a.long(), ar)
-        return (pos if eid_t is None else pos[eid_t.long()]).to(indptr.dtype).contiguous()
-    return gi.memo("native_gat_t2in", make)
+    """Position in the CSR of ``A`` of each entry of the CSR of ``A^T`` (the same edge); once per
+    graph. The backward writes per-edge values in ``A``'s order through it, so their
+    destination-side sums read contiguous rows."""
+    return native.transposed_positions(gi)
 
 
 def _coo(gi):

@@ -188,7 +188,8 @@ def bench_blocks(g, name, ks, threads, rounds, rows, batch=1024, fanouts=(10, 10
             gy = torch.randn(blk.num_dst_nodes(), k)
             gi = GraphInfo(blk)
             t = {}
-            t["build_a"] = _wall(lambda: native.csr_index(gi, "a"))
+            t["build_a"] = _wall(lambda: (native.csr_index(gi, "a"),
+                                          native.degree_scales(gi, -0.5, -0.5)))
             dd, ds = native.degree_scales(gi, -0.5, -0.5)
             y = None
 
@@ -202,11 +203,11 @@ def bench_blocks(g, name, ks, threads, rounds, rows, batch=1024, fanouts=(10, 10
             gi2 = GraphInfo(blk2)
             x2 = torch.randn(blk2.num_src_nodes(), k, requires_grad=True)
             gy2 = torch.randn(blk2.num_dst_nodes(), k)
-            # degree vectors as a GraphConv computes them on this block (not timed)
-            dd2, ds2 = native.degree_scales(gi2, -0.5, -0.5)
 
-            def dgl_fwd():
+            def dgl_fwd():       # the degree vectors as GraphConv computes them, then its sequence
                 nonlocal y
+                ds2 = blk2.out_degrees().float().clamp(min=1).pow(-0.5)
+                dd2 = blk2.in_degrees().float().clamp(min=1).pow(-0.5)
                 y = kernels.get("spmm_norm", "dgl")(gi2, dd2, ds2, x2)
             t["dgl_fwd_first"] = _wall(dgl_fwd)
             t["dgl_bwd_first"] = _wall(lambda: y.backward(gy2))
@@ -241,7 +242,11 @@ def _geomean(v):
     return float(torch.tensor(v, dtype=torch.float64).log().mean().exp()) if v else float("nan")
 
 
+BLOCKS_TITLE = "## Sampled blocks: building the CSR and its transpose per block"
+
+
 def write_markdown(rows, block_rows, path, header):
+    """The report's lines (written to ``path`` unless it is ``None``)."""
     lines = [f"# Native SpMM kernels: median milliseconds per call\n", header, ""]
     # summary: geomean ratio to copy_u_sum per primitive x impl x mode x threads
     lines += ["## Summary: time / DGL copy_u_sum on the same graph, k, threads and mode "
@@ -286,12 +291,13 @@ def write_markdown(rows, block_rows, path, header):
                      f"{nat['vs_copy_u_sum']:.2f} | {nat['vs_copy_u_sum_min']:.2f} | "
                      f"{nat['gbps']:.1f} | {100 * nat['frac_copy_bw']:.0f} | {fastest} |")
     if block_rows:
-        lines += ["", "## Sampled blocks: building the CSR and its transpose per block", "",
+        lines += ["", BLOCKS_TITLE, "",
                   "Median over minibatches of DGL's NeighborSampler; the first (largest) block of "
-                  "each minibatch. build A: CSR of the block (DGL's CSC + int32 copies); build A^T: "
-                  "the transpose for the backward; native: fused normalised SpMM; DGL first: "
-                  "GraphConv's sequence on a fresh copy of the block (its first call builds DGL's "
-                  "own formats).", "",
+                  "each minibatch. build A: CSR of the block in the kernels' index type and the "
+                  "degree vectors of a normalised SpMM; build A^T: the transpose for the "
+                  "backward; native: fused normalised SpMM; DGL first: GraphConv's sequence on a "
+                  "fresh copy of the block, its degree vectors included (its first call builds "
+                  "DGL's own formats).", "",
                   "| graph | k | thr | block edges | build A ms | build A^T ms | native fwd ms | "
                   "native bwd ms | build / fwd | build / (fwd+bwd) | native total ms | "
                   "DGL first fwd+bwd ms |",
@@ -302,7 +308,9 @@ def write_markdown(rows, block_rows, path, header):
                          f"{r['nat_bwd_ms']:.3f} | {r['build_over_fwd']:.2f} | "
                          f"{r['build_over_fwd_bwd']:.2f} | {r['native_total_ms']:.3f} | "
                          f"{r['dgl_total_ms']:.3f} |")
-    path.write_text("\n".join(lines) + "\n")
+    if path is not None:
+        path.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def plot(rows, path):
@@ -344,6 +352,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="3 graphs, k 32/128: a few minutes")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--budget", type=float, default=None, help="seconds of rounds per cell")
+    ap.add_argument("--blocks-only", action="store_true",
+                    help="only the sampled blocks (native_blocks.{csv,md}): a minute")
     args = ap.parse_args(argv)
     if not native.AVAILABLE:
         sys.exit(f"granii: native kernels are not built ({native.LOAD_ERROR})")
@@ -359,7 +369,7 @@ def main(argv=None):
     progress(f"copy bandwidth: " + ", ".join(f"{t} thread(s) {b:.1f} GB/s"
                                              for t, b in copy_bw.items()))
     rows, block_rows = [], []
-    for gi_, name in enumerate(names):
+    for gi_, name in enumerate([] if args.blocks_only else names):
         g = GENERATED[name]() if name in GENERATED else load_graph(name)
         progress(f"[{gi_ + 1}/{len(names)}] {name}: {g.num_nodes()} nodes, {g.num_edges()} edges "
                  f"({time.time() - start:.0f} s so far)")
@@ -382,8 +392,15 @@ def main(argv=None):
               + f" at the start, {copy_end:.1f} GB/s at the end. `python -m scripts.bench_native"
               f"{' --quick' if args.quick else ''}`.")
     suffix = "_quick" if args.quick else ""
-    write_csv(out / f"native{suffix}.csv", rows)
     write_csv(out / f"native_blocks{suffix}.csv", block_rows)
+    if args.blocks_only:
+        lines = write_markdown([], block_rows, None, header.replace(
+            "`python -m scripts.bench_native", "`python -m scripts.bench_native --blocks-only"))
+        text = "\n".join(lines[:2] + lines[lines.index(BLOCKS_TITLE):]) + "\n"
+        (out / f"native_blocks{suffix}.md").write_text(text)
+        progress(f"wrote {out}/native_blocks{suffix}.{{csv,md}} in {elapsed / 60:.1f} minutes")
+        return
+    write_csv(out / f"native{suffix}.csv", rows)
     write_markdown(rows, block_rows, out / f"native{suffix}.md", header)
     plot(rows, out / f"native{suffix}.png")
     progress(f"wrote {out}/native{suffix}.{{csv,md,png}} in {elapsed / 60:.1f} minutes")

@@ -348,6 +348,7 @@ def test_index_structures_match_dgl(name):
     a, at = native.csr_index(gi, "a"), native.csr_index(gi, "at")
     assert a.indptr.dtype == at.indptr.dtype == torch.int32
     assert torch.equal(gi.out_degrees(), g.out_degrees().float())
+    assert torch.equal(gi.in_degrees(), g.in_degrees().float())
 
     def entries(idx, which):
         ip, ix = idx.indptr.long(), idx.indices.long()

@@ -111,8 +111,8 @@ def csr_index(gi, which="a"):
     """The ``CsrIndex`` of ``A`` or ``A^T`` of graph ``gi``, built once per graph on first use.
 
     ``A`` is DGL's in-edge index (a sampled block comes with it) in the index type, read in one
-    pass (``csr_narrow``) that also counts the source out-degrees, which ``gi.out_degrees()``
-    then returns. ``A^T`` is transposed from it (``csr_transpose``, a counting sort), which also
+    pass (``csr_narrow``) that also counts the degrees, which ``gi.out_degrees()`` and
+    ``gi.in_degrees()`` then return. ``A^T`` is transposed from it (``csr_transpose``, a counting sort), which also
     gives the position in ``A`` of each entry (``transposed_positions``). On a block, DGL's
     out-degrees and out-edge index would each cost several times as much, and each block is
     used once."""
@@ -124,9 +124,10 @@ def csr_index(gi, which="a"):
             gi.cache[("native_csr_pos", "at")] = pos
             return CsrIndex(indptr, indices, eids, gi.num_src, gi.num_dst)
         small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
-        indptr, indices, eids, counts = torch.ops.granii.csr_narrow(
+        indptr, indices, eids, out_deg, in_deg = torch.ops.granii.csr_narrow(
             *(t.long().contiguous() for t in gi.g.adj_tensors("csc")), gi.num_src, small)
-        gi.memo("out_deg", lambda: counts)
+        gi.memo("out_deg", lambda: out_deg)
+        gi.memo("in_deg", lambda: in_deg)
         return CsrIndex(indptr, indices, eids, gi.num_dst, gi.num_src)
     return gi.memo(("native_csr", which), make)
 

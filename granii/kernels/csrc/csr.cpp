@@ -6,11 +6,12 @@
 //       t_eids[k] is the edge id of that entry (eids[j], or j itself when eids is None) and
 //       t_pos[k] its position j in A's CSR. Same integer type as the input. Serial: two passes
 //       over nnz and one over the columns, a fraction of one aggregation over the same edges.
-//   granii::csr_narrow(indptr, indices, eids, n_cols, small) -> (indptr, indices, eids, counts)
+//   granii::csr_narrow(indptr, indices, eids, n_cols, small)
+//           -> (indptr, indices, eids, col_counts, row_counts)
 //       DGL's CSR (int64) in the kernels' index type (int32 when `small`), with eids undefined
-//       when entry j is edge j, and counts[c] the number of entries in column c as float32 (the
-//       out-degrees when A is the in-edge index): one serial pass, where the same in torch ops
-//       (casts, an identity check, a bincount) costs several parallel regions.
+//       when entry j is edge j, and the number of entries of each column and of each row as
+//       float32 (out- and in-degrees when A is the in-edge index): one serial pass, where the
+//       same in torch ops (casts, an identity check, a bincount) costs several parallel regions.
 #include "native.h"
 
 #include <torch/library.h>
@@ -77,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> csr_transpose(
 }
 
 template <typename out_t>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> narrow_to(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> narrow_to(
     const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& eids, int64_t n_cols,
     const char* name) {
   const int64_t rows = indptr.numel() - 1, nnz = indices.numel();
@@ -85,6 +86,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> narrow_to(
   at::Tensor ip = at::empty({rows + 1}, opts), ix = at::empty({nnz}, opts);
   at::Tensor ei = at::empty({nnz}, opts);
   at::Tensor counts = at::empty({n_cols}, indptr.options().dtype(at::kFloat));
+  at::Tensor row_counts = at::empty({rows}, indptr.options().dtype(at::kFloat));
+  float* rc = row_counts.data_ptr<float>();
   const int64_t* ip_in = indptr.data_ptr<int64_t>();
   const int64_t* ix_in = indices.data_ptr<int64_t>();
   const int64_t* ei_in = eids.data_ptr<int64_t>();
@@ -96,6 +99,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> narrow_to(
   TORCH_CHECK(ip_in[0] == 0 && ip_in[rows] == nnz, name,
               ": indptr must start at 0 and end at the number of entries");
   for (int64_t r = 0; r <= rows; ++r) ip_out[r] = static_cast<out_t>(ip_in[r]);
+  for (int64_t r = 0; r < rows; ++r) rc[r] = static_cast<float>(ip_in[r + 1] - ip_in[r]);
   bool ident = true;
   for (int64_t j = 0; j < nnz; ++j) {
     const int64_t c = ix_in[j];
@@ -105,10 +109,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> narrow_to(
     ident = ident && ei_in[j] == j;
     cnt[c] += 1.0f;
   }
-  return {ip, ix, ident ? at::Tensor() : ei, counts};
+  return {ip, ix, ident ? at::Tensor() : ei, counts, row_counts};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> csr_narrow(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> csr_narrow(
     const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& eids, int64_t n_cols,
     bool small) {
   const char* name = "granii::csr_narrow";
@@ -128,7 +132,7 @@ TORCH_LIBRARY_FRAGMENT(granii, m) {
   m.def("csr_transpose(Tensor indptr, Tensor indices, Tensor? eids, int n_cols) -> "
         "(Tensor, Tensor, Tensor, Tensor)");
   m.def("csr_narrow(Tensor indptr, Tensor indices, Tensor eids, int n_cols, bool small) -> "
-        "(Tensor, Tensor, Tensor, Tensor)");
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(granii, CPU, m) {

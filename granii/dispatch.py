@@ -764,6 +764,16 @@ class Trial:
     def settled(self):
         return all(len(self.times.get(c[0], ())) > TRIAL_ROUNDS for c in self.candidates)
 
+    def done(self):
+        """Every candidate timed enough, or one left (the others raised or were dropped)."""
+        return self.settled() or len(self.candidates) == 1
+
+    def close(self):
+        """Forget the calls whose backward was awaited: their hooks leave the parameters."""
+        for _, _, clock in self.pending:
+            clock.remove()
+        self.pending.clear()
+
     def drop_slow(self):
         """Take out the candidates whose fastest timed call (after the untimed first) exceeds
         ``TRIAL_DROP`` times another's fastest; each must have one timed call first."""
@@ -817,10 +827,8 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
         del state.failed[dkey]
         trial.candidates = [c for c in trial.candidates if c[0] != label]
         trial.times.pop(label, None)
-    if trial.settled() or len(trial.candidates) == 1:
-        for _, _, pending in trial.pending:     # this call's backward is not needed: no hook
-            pending.remove()                    # stays on the parameters
-        trial.pending.clear()
+    if trial.done():
+        trial.close()
         per_graph[dkey] = trial.winner() if trial.times else trial.candidates[0]
         for home, key in trial.homes:
             home[key] = per_graph[dkey]

@@ -909,9 +909,8 @@ def hetero_call(state, options, layer, g, inputs, mod_args, mod_kwargs):
         trial.record(label, seconds)
     else:
         trial.pending.append((label, seconds, clock))
-    if trial.settled() or len(trial.candidates) == 1:
-        for _, _, pending in trial.pending:         # this call's backward is not needed
-            pending.remove()
+    if trial.done():
+        trial.close()
         state.kept = trial.winner()[0]
         state.tuned = [(lb, t * scale) for lb, t in trial.report()]
         state.trial = None

@@ -117,7 +117,9 @@ def variants(choice):
     for pos, impl, extra in choice.alternatives:
         impls = list(choice.impls)
         impls[pos] = impl
-        out.append(Choice(choice.plan, tuple(impls), choice.cost + extra, choice.step_costs))
+        step = choice.plan.steps[pos]
+        rows = [(s, impl, t + extra) if s is step else (s, i, t) for s, i, t in choice.step_costs]
+        out.append(Choice(choice.plan, tuple(impls), choice.cost + extra, rows))
     return out
 
 

@@ -675,11 +675,15 @@ def test_trial_times_the_best_plan_with_another_graph_kernel():
     st = [NS(prim="row_scale", sig=("row_scale", False, ("N", "k"))),
           NS(prim="spmm", sig=("spmm", False, ("E", "k")))]
     plan = NS(steps=st)
-    best = Choice(plan, ("torch", "torch_csr"), 1.0, [], ((1, "native", 0.01), (1, "dgl", 0.6)))
+    best = Choice(plan, ("torch", "torch_csr"), 1.0,
+                  [(st[0], "torch", 0.2), (st[1], "torch_csr", 0.8)],
+                  ((1, "native", 0.01), (1, "dgl", 0.6)))
     other = Choice(NS(steps=[NS(prim="gemm", sig=("gemm", False, ("N", "k", "k_out"))),
                              NS(prim="spmm", sig=("spmm", False, ("E", "k_out")))]),
                    ("torch", "native"), 1.1, [])
     assert [c.impls for c in variants(best)] == [("torch", "native"), ("torch", "dgl")]
+    native_rows = variants(best)[0].step_costs      # explain's step by step: the variant's own
+    assert [(i, t) for _, i, t in native_rows] == [("torch", 0.2), ("native", pytest.approx(0.81))]
     picked = trial_candidates([best, other])
     assert [c.impls for c in picked] == [("torch", "torch_csr"), ("torch", "native"),
                                          ("torch", "native")]

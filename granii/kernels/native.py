@@ -112,10 +112,10 @@ def csr_index(gi, which="a"):
 
     ``A`` is DGL's in-edge index (a sampled block comes with it) in the index type, read in one
     pass (``csr_narrow``) that also counts the degrees, which ``gi.out_degrees()`` and
-    ``gi.in_degrees()`` then return. ``A^T`` is transposed from it (``csr_transpose``, a counting sort), which also
-    gives the position in ``A`` of each entry (``transposed_positions``). On a block, DGL's
-    out-degrees and out-edge index would each cost several times as much, and each block is
-    used once."""
+    ``gi.in_degrees()`` then return. ``A^T`` is transposed from it (``csr_transpose``, a
+    counting sort), which also gives the position in ``A`` of each entry
+    (``transposed_positions``). On a block, DGL's out-degrees and out-edge index would each cost
+    several times as much, and each block is used once."""
     def make():
         if which == "at":
             a = csr_index(gi, "a")

@@ -26,9 +26,10 @@ Part 3 (``selection``), plan choice of GraphConv, GIN, SAGE and GAT (4 heads), i
 training, as hidden layers (``--modes infer train``, the default: new features at each call,
 needing a gradient in training) or as first layers on fixed features (``infer-same
 train-same``: the same tensor each call, no gradient, so work on the features alone is kept
-between calls as granii keeps it, ``MODES``): ``--measure`` times every candidate of each configuration side by side
-(wall clock and process CPU time; GAT's unfused plans only where edge scores and softmax use one
-library) into ``selection_times.jsonl``; ``--report`` ranks the candidates with each cost model
+between calls as granii keeps it, ``MODES``): ``--measure`` times every candidate of each
+configuration side by side (wall clock and process CPU time; GAT's unfused plans only where edge
+scores and softmax use one library) into ``selection_times.jsonl``; ``--report`` ranks the
+candidates with each cost model
 (this machine's, other machines' rescaled by the calibration, the roofline with calibrated and
 with hand-set rates) and writes the regret tables ``selection_<threads>t.md``. Usage:
 ``python -m scripts.validate_costmodels selection --measure --report --threads 1

@@ -652,11 +652,17 @@ def decide(state, options, call):
     return decided
 
 
+def _plan_part(label):
+    """``[i]`` of a trial label ``[i]`` or ``[i] impl/impl..`` (a plan's implementation
+    variant)."""
+    return label.split(" ")[0]
+
+
 def _describe(decision, call):
     label = decision[0]
     if label == ORIGINAL:
         return {"plan": ORIGINAL}
-    plan = next(p for p in call.compiled.plans if f"[{p.index}]" == label.split(" ")[0])
+    plan = next(p for p in call.compiled.plans if f"[{p.index}]" == _plan_part(label))
     return {"plan": str(plan.index), "impls": list(decision[3]) if len(decision) > 3 else None,
             "composition": plan.composition()}
 
@@ -691,7 +697,7 @@ def _decide(state, options, call):
     for c in trial_candidates(ranking)[1:]:
         f, _ = compile_plan(c.plan, c.impls)
         label = f"[{c.plan.index}]"
-        if any(label == lb.split(" ")[0] for lb, *_ in cands):     # another implementation
+        if any(label == _plan_part(lb) for lb, *_ in cands):     # another implementation
             label += " " + "/".join(i for i in c.impls if i != "inline")
         cands.append((label, f, leaf_vals_order(c.plan), c.impls))
     # DGL runs Python message and reduce functions once per degree bucket: timing that forward

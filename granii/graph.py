@@ -166,6 +166,12 @@ class GraphInfo:
             return torch.bincount(src, minlength=self.num_src).float()
         return self.memo("out_deg", make)
 
+    def set_degrees(self, out_deg, in_deg):
+        """Degree vectors counted elsewhere (the native index's pass over the in-edges), for
+        ``out_degrees`` and ``in_degrees`` to return unless they already have theirs."""
+        self.memo("out_deg", lambda: out_deg)
+        self.memo("in_deg", lambda: in_deg)
+
     def edges(self):
         """``(src, dst)`` node ids of each edge, in edge-id order."""
         def make():

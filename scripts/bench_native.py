@@ -242,11 +242,29 @@ def _geomean(v):
     return float(torch.tensor(v, dtype=torch.float64).log().mean().exp()) if v else float("nan")
 
 
-BLOCKS_TITLE = "## Sampled blocks: building the CSR and its transpose per block"
+def blocks_markdown(block_rows):
+    """The table of ``bench_blocks``'s rows, with its heading."""
+    lines = ["## Sampled blocks: building the CSR and its transpose per block", "",
+             "Median over minibatches of DGL's NeighborSampler; the first (largest) block of "
+             "each minibatch. build A: CSR of the block in the kernels' index type and the "
+             "degree vectors of a normalised SpMM; build A^T: the transpose for the "
+             "backward; native: fused normalised SpMM; DGL first: GraphConv's sequence on a "
+             "fresh copy of the block, its degree vectors included (its first call builds "
+             "DGL's own formats).", "",
+             "| graph | k | thr | block edges | build A ms | build A^T ms | native fwd ms | "
+             "native bwd ms | build / fwd | build / (fwd+bwd) | native total ms | "
+             "DGL first fwd+bwd ms |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in block_rows:
+        lines.append(f"| {r['graph']} | {r['k']} | {r['threads']} | {r['block_edges']} | "
+                     f"{r['build_a_ms']:.3f} | {r['build_at_ms']:.3f} | {r['nat_fwd_ms']:.3f} | "
+                     f"{r['nat_bwd_ms']:.3f} | {r['build_over_fwd']:.2f} | "
+                     f"{r['build_over_fwd_bwd']:.2f} | {r['native_total_ms']:.3f} | "
+                     f"{r['dgl_total_ms']:.3f} |")
+    return lines
 
 
 def write_markdown(rows, block_rows, path, header):
-    """The report's lines (written to ``path`` unless it is ``None``)."""
     lines = [f"# Native SpMM kernels: median milliseconds per call\n", header, ""]
     # summary: geomean ratio to copy_u_sum per primitive x impl x mode x threads
     lines += ["## Summary: time / DGL copy_u_sum on the same graph, k, threads and mode "
@@ -291,26 +309,8 @@ def write_markdown(rows, block_rows, path, header):
                      f"{nat['vs_copy_u_sum']:.2f} | {nat['vs_copy_u_sum_min']:.2f} | "
                      f"{nat['gbps']:.1f} | {100 * nat['frac_copy_bw']:.0f} | {fastest} |")
     if block_rows:
-        lines += ["", BLOCKS_TITLE, "",
-                  "Median over minibatches of DGL's NeighborSampler; the first (largest) block of "
-                  "each minibatch. build A: CSR of the block in the kernels' index type and the "
-                  "degree vectors of a normalised SpMM; build A^T: the transpose for the "
-                  "backward; native: fused normalised SpMM; DGL first: GraphConv's sequence on a "
-                  "fresh copy of the block, its degree vectors included (its first call builds "
-                  "DGL's own formats).", "",
-                  "| graph | k | thr | block edges | build A ms | build A^T ms | native fwd ms | "
-                  "native bwd ms | build / fwd | build / (fwd+bwd) | native total ms | "
-                  "DGL first fwd+bwd ms |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in block_rows:
-            lines.append(f"| {r['graph']} | {r['k']} | {r['threads']} | {r['block_edges']} | "
-                         f"{r['build_a_ms']:.3f} | {r['build_at_ms']:.3f} | {r['nat_fwd_ms']:.3f} | "
-                         f"{r['nat_bwd_ms']:.3f} | {r['build_over_fwd']:.2f} | "
-                         f"{r['build_over_fwd_bwd']:.2f} | {r['native_total_ms']:.3f} | "
-                         f"{r['dgl_total_ms']:.3f} |")
-    if path is not None:
-        path.write_text("\n".join(lines) + "\n")
-    return lines
+        lines += [""] + blocks_markdown(block_rows)
+    path.write_text("\n".join(lines) + "\n")
 
 
 def plot(rows, path):
@@ -384,20 +384,19 @@ def main(argv=None):
     elapsed = time.time() - start
     header = (f"torch {torch.__version__}, dgl {dgl.__version__}, {platform.machine()} "
               f"({platform.processor() or 'cpu'}), {os.cpu_count()} cores; "
-              f"{'quick' if args.quick else 'full'} run of {elapsed / 60:.1f} minutes; "
+              f"{'blocks-only' if args.blocks_only else 'quick' if args.quick else 'full'} run "
+              f"of {elapsed / 60:.1f} minutes; "
               f"1-minute load average {load0:.2f} at start, {load1:.2f} at the end (above 2: other "
               f"work was running on this 2-core machine and the medians are inflated). Copy "
               f"bandwidth (torch copy of 512 MB, read + write): "
               + ", ".join(f"{t} thread(s) {b:.1f} GB/s" for t, b in copy_bw.items())
               + f" at the start, {copy_end:.1f} GB/s at the end. `python -m scripts.bench_native"
-              f"{' --quick' if args.quick else ''}`.")
+              f"{' --quick' if args.quick else ''}{' --blocks-only' if args.blocks_only else ''}`.")
     suffix = "_quick" if args.quick else ""
     write_csv(out / f"native_blocks{suffix}.csv", block_rows)
     if args.blocks_only:
-        lines = write_markdown([], block_rows, None, header.replace(
-            "`python -m scripts.bench_native", "`python -m scripts.bench_native --blocks-only"))
-        text = "\n".join(lines[:2] + lines[lines.index(BLOCKS_TITLE):]) + "\n"
-        (out / f"native_blocks{suffix}.md").write_text(text)
+        lines = ["# Native SpMM kernels: sampled blocks\n", header, ""] + blocks_markdown(block_rows)
+        (out / f"native_blocks{suffix}.md").write_text("\n".join(lines) + "\n")
         progress(f"wrote {out}/native_blocks{suffix}.{{csv,md}} in {elapsed / 60:.1f} minutes")
         return
     write_csv(out / f"native{suffix}.csv", rows)

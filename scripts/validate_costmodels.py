@@ -698,14 +698,20 @@ def candidates(call, pruned=False):
     return out
 
 
+def _grad_targets(layer, feat):
+    """What a timed training call differentiates: the features when they need a gradient, and
+    the layer's trainable parameters."""
+    return ([feat] if feat.requires_grad else []) + [p for p in layer.parameters()
+                                                     if p.requires_grad]
+
+
 def candidate_fns(call, layer, feat, mode):
     """``{candidate key: one call}`` (forward, and in training the backward to every gradient
     needed). With new features at each call the work kept per input is dropped before each call;
     with the same features it is kept, as granii keeps it."""
     fns = {}
     training, _, repeats = MODES[mode]
-    wrt = ([feat] if feat.requires_grad else []) + [p for p in layer.parameters()
-                                                     if p.requires_grad]
+    wrt = _grad_targets(layer, feat)
     drop = (lambda gi: None) if repeats else _drop_inputs
     for key, (plan, impls) in candidates(call, pruned=True).items():
         fn, _ = compile_plan(plan, impls)
@@ -793,8 +799,7 @@ def measure_layers(graphs, layers, sizes, modes, probe, wait, log, out_path, thr
                 keep = set(gat_subset(candidates(call, pruned=True))) | ranked_first(call, mode)
                 fns = {k: fns[k] for k in keep if k in fns}
             fns = {_key_text(k): f for k, f in fns.items()}
-            wrt = ([feat] if feat.requires_grad else []) + [p for p in layer.parameters()
-                                                             if p.requires_grad]
+            wrt = _grad_targets(layer, feat)
             if MODES[mode][0]:
                 with torch.enable_grad():
                     dy = torch.randn_like(layer(g, feat).reshape(g.num_dst_nodes(), -1))

@@ -360,7 +360,7 @@ def test_index_structures_match_dgl(name):
     want = sorted(zip(u.tolist(), v.tolist(), range(g.num_edges())))
     assert entries(a, "a") == want and entries(at, "at") == want
     assert torch.equal(at.indptr.long().diff(), g.out_degrees())
-    pos = native.transposed_positions(gi).long()
+    pos = at.pos.long()
     a_eids = torch.arange(g.num_edges()) if a.eids is None else a.eids.long()
     assert torch.equal(a_eids[pos], at.eids.long())
     assert torch.equal(a.indices.long()[pos],

@@ -99,12 +99,14 @@ class CsrIndex:
 
     ``indptr``, ``indices``, ``eids`` share one integer type (int32 when the edge count and every
     index fit); ``eids[j]`` is the DGL edge id of entry ``j``, ``None`` when it is ``j`` itself
-    (edges stored in this order), so edge-order values are read directly.
+    (edges stored in this order), so edge-order values are read directly. ``pos`` (``A^T``
+    only): the position in ``A``'s CSR of each entry.
     """
-    __slots__ = ("indptr", "indices", "eids", "rows", "cols")
+    __slots__ = ("indptr", "indices", "eids", "rows", "cols", "pos")
 
-    def __init__(self, indptr, indices, eids, rows, cols):
+    def __init__(self, indptr, indices, eids, rows, cols, pos=None):
         self.indptr, self.indices, self.eids, self.rows, self.cols = indptr, indices, eids, rows, cols
+        self.pos = pos
 
 
 def csr_index(gi, which="a"):
@@ -114,29 +116,20 @@ def csr_index(gi, which="a"):
     pass (``csr_narrow``) that also counts the degrees, which ``gi.out_degrees()`` and
     ``gi.in_degrees()`` then return. ``A^T`` is transposed from it (``csr_transpose``, a
     counting sort), which also gives the position in ``A`` of each entry
-    (``transposed_positions``). On a block, DGL's out-degrees and out-edge index would each cost
+    (``CsrIndex.pos``). On a block, DGL's out-degrees and out-edge index would each cost
     several times as much, and each block is used once."""
     def make():
         if which == "at":
             a = csr_index(gi, "a")
             indptr, indices, eids, pos = torch.ops.granii.csr_transpose(
                 a.indptr, a.indices, a.eids, gi.num_src)
-            gi.cache[("native_csr_pos", "at")] = pos
-            return CsrIndex(indptr, indices, eids, gi.num_src, gi.num_dst)
+            return CsrIndex(indptr, indices, eids, gi.num_src, gi.num_dst, pos)
         small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
         indptr, indices, eids, out_deg, in_deg = torch.ops.granii.csr_narrow(
             *(t.long().contiguous() for t in gi.g.adj_tensors("csc")), gi.num_src, small)
-        gi.memo("out_deg", lambda: out_deg)
-        gi.memo("in_deg", lambda: in_deg)
+        gi.set_degrees(out_deg, in_deg)
         return CsrIndex(indptr, indices, eids, gi.num_dst, gi.num_src)
     return gi.memo(("native_csr", which), make)
-
-
-def transposed_positions(gi):
-    """Position in the CSR of ``A`` of each entry of the CSR of ``A^T`` (the same edge), in the
-    index type of the CSR; once per graph."""
-    csr_index(gi, "at")
-    return gi.cache[("native_csr_pos", "at")]
 
 
 def degree_scales(gi, a, b, dtype=torch.float32):

@@ -62,7 +62,7 @@ def _t2in(gi):
     """Position in the CSR of ``A`` of each entry of the CSR of ``A^T`` (the same edge); once per
     graph. The backward writes per-edge values in ``A``'s order through it, so their
     destination-side sums read contiguous rows."""
-    return native.transposed_positions(gi)
+    return native.csr_index(gi, "at").pos
 
 
 def _coo(gi):

@@ -66,6 +66,7 @@ MODEL_SIZES = {
     "gat_aggregate": ("graph", ("heads", "k")),
     "spmm_heads": ("graph", ("heads", "k")),
     "head_gemm": ("dense", ("m", "k", "n", "heads")),
+    "head_dot": ("dense", ("m", "k", "n")),
 }
 # The phases a model can be trained for: "forward" (one call, no autograd) and "train" (the
 # forward with autograd and the backward of the gradients ``TRAIN_GRADS`` names).
@@ -77,6 +78,7 @@ TRAIN_GRADS = {
     "gemm": (0, 1), "row_scale": (1,), "spmm": (0,), "spmm_mean": (0,), "spmm_max": (0,),
     "spmm_weighted": (0, 1), "sddmm_scale": (), "sddmm_add": (0, 1), "edge_softmax": (0,),
     "spmm_norm": (2,), "gat_aggregate": (0, 1, 2), "spmm_heads": (0, 1), "head_gemm": (0, 1),
+    "head_dot": (0, 1),
 }
 SIZE_DEFAULTS = {"heads": 1}
 
@@ -147,6 +149,8 @@ def baseline_seconds(prim, dims, num_src=0, num_dst=0, num_edges=0):
         t = 2.0 * m * k * n / _FLOPS + f * (m * h * k + k * n + m * n) / _STREAM
     elif prim == "row_scale":
         t = 2 * f * s["n"] * s["k"] / _STREAM
+    elif prim == "head_dot":                   # X (m, k = H F) read once, (m, n = H) written
+        t = f * s["m"] * (s["k"] + s["n"]) / _STREAM
     elif prim == "spmm_heads":                 # X rows gathered once for all heads
         h, k = s["heads"], s["k"]
         t = f * e * k / _GATHER + f * num_dst * h * k / _STREAM + f * e * h / _STREAM

@@ -36,7 +36,8 @@ from .prune import GE, LT
 EXPECTED_CALLS = 100
 # Steps with no cost model of their own, each one pass over a matrix like a row scaling of the
 # same size (read it, write it): primitive -> (the size naming its rows, passes). An addition
-# reads two operands; GAT's per-head scores read X and write a narrow result.
+# reads two operands; GAT's per-head scores read X and write a narrow result (priced so only
+# where the models have no ``head_dot`` of their own: older model folders).
 PASSES = {"add": ("n", 1.5), "cat": ("n", 1.0), "head_dot": ("m", 1.0)}
 # per-head primitives priced from a one-head one (``_per_head``), operands in the same places
 ONE_HEAD = {"spmm_heads": "spmm_weighted", "head_gemm": "gemm"}
@@ -196,7 +197,8 @@ def _predict(model, prim, impl, gi, dims, heads, phase="forward"):
         dims = dict(dims, heads=heads)
     if prim in ("spmm_heads", "head_gemm"):
         return _per_head(model, prim, impl, gi, dims, max(heads, 1), phase)
-    if prim in PASSES:           # one pass over a matrix: priced as a row scaling of its size
+    if prim in PASSES and not _learned(model, prim, impl, phase):
+        # one pass over a matrix: priced as a row scaling of its size
         rows, scale = PASSES[prim]
         t = _predict(model, "row_scale", "torch", gi, {"n": dims[rows], "k": dims["k"]}, 1)
         return t * scale if phase == "forward" else None

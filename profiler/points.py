@@ -31,7 +31,7 @@ except ImportError:
 DENSE = "dense"
 GRAPH_PRIMS = ["spmm", "spmm_weighted", "spmm_mean", "spmm_max", "sddmm_scale", "sddmm_add",
                "edge_softmax", "spmm_norm", "gat_aggregate", "spmm_heads"]
-DENSE_PRIMS = ["gemm", "row_scale", "head_gemm"]
+DENSE_PRIMS = ["gemm", "row_scale", "head_gemm", "head_dot"]
 PER_HEAD = ["spmm_heads", "head_gemm"]     # GAT's per-head composition (A_h X) W_h
 
 
@@ -179,6 +179,9 @@ def dense_points(prim, config):
         return [{"m": m, "k": k, "heads": h, "n": h * f} for m in sorted(config.gemm_m)
                 for k in sorted(config.gemm_kn) for h in sorted(config.heads) if h > 1
                 for f in sorted(config.gat_f)]
+    if prim == "head_dot":          # k = heads x F columns, one score per head (n = heads)
+        return [{"m": m, "k": h * f, "n": h} for m in sorted(config.gemm_m)
+                for h in sorted(config.heads) for f in sorted(set(config.gat_f) | {32})]
     return [{"n": n, "k": k} for n in sorted(config.row_n) for k in sorted(config.row_k)]
 
 
@@ -205,6 +208,8 @@ def point_bytes(prim, sizes, n_src=0, n_dst=0, e=0):
         return f * (2 * m * h * k + k * n + 2 * m * n)
     if prim == "row_scale":
         return 3 * f * sizes["n"] * sizes["k"]
+    if prim == "head_dot":          # X and its gradient
+        return 2 * f * sizes["m"] * sizes["k"]
     index = 48 * e + 16 * (n_src + n_dst)         # two CSRs (int64), int32 copies, edge ids
     if prim == "gat_aggregate":
         h, k = sizes["heads"], sizes["k"]
@@ -286,6 +291,11 @@ def dense_inputs(prim, sizes, seed=0):
     if prim == "head_gemm":
         return (torch.randn(sizes["m"], sizes["heads"], sizes["k"], generator=gen_),
                 torch.randn(sizes["k"], sizes["n"], generator=gen_))
+    if prim == "head_dot":          # X, blockdiag(a_1 .. a_H)
+        m, k, h = sizes["m"], sizes["k"], sizes["n"]
+        a = torch.randn(h, k // h, generator=gen_)
+        return (torch.randn(m, k, generator=gen_),
+                torch.block_diag(*(a[i].unsqueeze(1) for i in range(h))))
     return (torch.rand(sizes["n"], generator=gen_) + 0.5,
             torch.randn(sizes["n"], sizes["k"], generator=gen_))
 

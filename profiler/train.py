@@ -20,7 +20,8 @@ import numpy as np
 
 from granii.featurize import FEATURE_NAMES
 from granii.learned import (BASELINE, FORMAT, MANIFEST, MODEL_SIZES, file_sha256,
-                            model_feature_names, model_file, model_inputs, model_key)
+                            model_feature_names, model_file, model_inputs, model_key,
+                            parse_model_key)
 from granii.fingerprint import fingerprint_id
 from granii.graph import GraphInfo
 from profiler import generators as gen
@@ -222,6 +223,37 @@ def train(run_dir, out_dir, fingerprint, params=None, run_info=None, log=print, 
         "calibration": calibration,
         "models": models,
     }
+    _install(tmp, out_dir, manifest)
+    return manifest
+
+
+def add(part_dir, out_dir, run_info=None):
+    """Put the models of ``part_dir`` (``train`` on the records of some primitives only) into
+    the model folder ``out_dir``: they replace the models of those primitives, the others are
+    kept. The manifest lists each addition under ``run["added"]``. Returns the manifest."""
+    part_dir, out_dir = Path(part_dir), Path(out_dir)
+    part = json.loads((part_dir / MANIFEST).read_text())
+    manifest = json.loads((out_dir / MANIFEST).read_text())
+    prims = sorted({parse_model_key(k)[0] for k in part["models"]})
+    kept = {k: m for k, m in manifest["models"].items() if parse_model_key(k)[0] not in prims}
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for src, entries in ((out_dir, kept), (part_dir, part["models"])):
+        for m in entries.values():
+            shutil.copy2(src / m["file"], tmp / m["file"])
+    manifest["models"] = dict(sorted({**kept, **part["models"]}.items()))
+    manifest["training_points"] = int(sum(m["points"] for m in manifest["models"].values()))
+    run = manifest.setdefault("run", {})
+    run["added"] = [a for a in run.get("added", []) if not set(a["primitives"]) & set(prims)] + [{
+        "primitives": prims, "created": part["created"],
+        "points": int(sum(m["points"] for m in part["models"].values())), **(run_info or {})}]
+    _install(tmp, out_dir, manifest)
+    return manifest
+
+
+def _install(tmp, out_dir, manifest):
+    """Write ``manifest`` into the finished folder ``tmp`` and put it in place of ``out_dir``."""
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     old = out_dir.with_name(out_dir.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
@@ -229,4 +261,3 @@ def train(run_dir, out_dir, fingerprint, params=None, run_info=None, log=print, 
         out_dir.rename(old)
     tmp.rename(out_dir)
     shutil.rmtree(old, ignore_errors=True)
-    return manifest

@@ -11,6 +11,8 @@ phases: the forward alone and the forward with its backward (the gradients a tra
 needs). The machine's calibration (``granii.calibration``, a few seconds) is measured too and
 stored in the manifest, so the models can be carried to other machines. ``--quick`` takes at
 most 3 minutes, the full run about an hour; the full run reuses the points a quick run measured.
+``--only PRIMITIVE ...`` profiles those primitives alone and puts their models into the machine's
+existing folder in place of theirs (minutes, where a kernel of theirs was added or changed).
 The manifest records how loaded the machine was (points measured while other processes held the
 cores, load averages).
 """
@@ -26,11 +28,11 @@ if str(ROOT) not in sys.path:
 
 from granii import calibration  # noqa: E402
 from granii.fingerprint import fingerprint_id, machine_fingerprint  # noqa: E402
-from granii.learned import DEFAULT_DIR, load  # noqa: E402
+from granii.learned import DEFAULT_DIR, MANIFEST, load  # noqa: E402
 from profiler.harness import POINTS, profile, read_jsonl  # noqa: E402
 from profiler.points import CONFIGS  # noqa: E402
 from profiler.timing import fix_threads  # noqa: E402
-from profiler.train import train  # noqa: E402
+from profiler.train import add, train  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -54,6 +56,10 @@ def parse_args(argv=None):
     ap.add_argument("--graph-stride", type=int, default=1,
                     help="profile every N-th graph of the corpus only: a broad run over the "
                          "same range of sizes in about 1/N of the time (coarser models)")
+    ap.add_argument("--only", nargs="+", metavar="PRIMITIVE", default=None,
+                    help="profile these primitives alone (records in <runs>/<machine>/only/) and "
+                         "put their models into this machine's model folder, keeping the "
+                         "others: after a kernel of these primitives was added or changed")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="stop profiling after this many minutes and train on what is measured "
@@ -87,6 +93,17 @@ def main(argv=None):
     config = CONFIGS["quick" if args.quick else "full"]()
     if args.graph_stride > 1:
         config.graphs = config.graphs[::args.graph_stride]
+    out = args.out / fid
+    if args.only:
+        unknown = sorted(set(args.only) - set(config.prims))
+        if unknown:
+            raise SystemExit(f"granii-init: --only: no profiled primitive {', '.join(unknown)}; "
+                             f"the {config.name} run profiles {', '.join(config.prims)}")
+        if not (out / MANIFEST).is_file():
+            raise SystemExit(f"granii-init: --only adds models to this machine's folder {out}, "
+                             "which has none yet: run granii-init without --only first")
+        config.prims = [p for p in config.prims if p in args.only]
+        run_dir = run_dir / "only"
     print(f"granii: machine {fid}: {fp['cpu_model']}, {fp['cores']} cores, {threads} threads, "
           f"torch {fp['torch']}, dgl {fp['dgl']}, xgboost {fp['xgboost']}")
     t0 = time.perf_counter()
@@ -96,7 +113,7 @@ def main(argv=None):
         summary = profile(config, run_dir, threads, resume=args.resume,
                           progress=not args.no_progress, retry_contended=args.retry_contended,
                           time_limit=None if limit is None else 60 * limit)
-    cal = calibration.this_machine(fp, refresh=not args.train_only)
+    cal = calibration.this_machine(fp, refresh=not (args.train_only or args.only))
     print(f"granii: calibration ({cal['seconds']:.1f} s): " + ", ".join(
         f"{k} {v * 1e3:.2f} ms" for k, v in cal["times"].items()))
     print("granii: training the cost models (log seconds, one XGBoost model per "
@@ -105,12 +122,13 @@ def main(argv=None):
                 if summary else None, "counts": summary["counts"] if summary else None,
                 "stopped_early": summary.get("stopped_early") if summary else None,
                 "load": load_note(run_dir)}
-    out = args.out / fid
     from profiler.train import PARAMS
-    manifest = train(run_dir, out, fp, run_info=run_info,
+    manifest = train(run_dir, run_dir / "models" if args.only else out, fp, run_info=run_info,
                      params=dict(PARAMS, n_estimators=config.trees),
                      clean_only=not args.keep_contended,
                      calibration={k: cal[k] for k in ("times", "seconds", "measured_at")})
+    if args.only:
+        manifest = add(run_dir / "models", out, run_info)
     load(out, fp)
     size = sum(p.stat().st_size for p in out.iterdir())
     print(f"granii: {len(manifest['models'])} models from {manifest['training_points']} points "

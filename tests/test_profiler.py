@@ -11,7 +11,7 @@ from profiler import generators as gen
 from profiler import points as pts
 from profiler import harness
 from profiler.harness import POINTS, approx_size, done_keys, kernels_build, read_jsonl
-from profiler.train import train
+from profiler.train import add, train
 
 GRAPHS = ["uniform:n=200,m=800,seed=0,undirected=0", "grid2d:rows=10,cols=12"]
 SPMM_IMPLS = [i for p, i in pts.registered(["spmm"])][0]
@@ -61,6 +61,30 @@ def test_end_to_end_produces_a_loadable_model(tmp_path):
     g = gen.build(GRAPHS[0])
     gi = GraphInfo(g)
     assert model.predict("spmm", "dgl", gi, {"n": gi.num_dst, "k": 24}) > 0
+
+
+def test_models_of_some_primitives_are_added_to_a_folder(tmp_path):
+    """``granii-init --only``: a run of some primitives replaces their models only."""
+    fp = machine_fingerprint()
+    full, part = tmp_path / "full", tmp_path / "part"
+    profile(tiny(), full, progress=False, log=_quiet)
+    before = train(full, tmp_path / "models", fp, log=_quiet)
+    profile(tiny(prims=["gemm", "head_dot"], gemm_kn=[16, 32, 64], heads=[1, 4], gat_f=[8]),
+            part, progress=False, log=_quiet)
+    added = train(part, tmp_path / "added", fp, log=_quiet)
+    after = add(tmp_path / "added", tmp_path / "models", {"mode": "tiny"})
+    kept = {k for k in before["models"] if not k.startswith("gemm/")}
+    assert kept and kept <= set(after["models"])
+    assert all(after["models"][k] == before["models"][k] for k in kept)
+    for k in added["models"]:                   # gemm replaced, head_dot new
+        assert after["models"][k] == added["models"][k]
+    assert {"gemm/torch", "head_dot/torch", "head_dot/native"} <= set(added["models"])
+    assert after["training_points"] == sum(m["points"] for m in after["models"].values())
+    assert after["run"]["added"][-1]["primitives"] == ["gemm", "head_dot"]
+    model = load(tmp_path / "models", fp)       # checksums and features of every file hold
+    assert model.predict("head_dot", "native", None, {"m": 500, "k": 32, "n": 4}) > 0
+    again = add(tmp_path / "added", tmp_path / "models")
+    assert len(again["run"]["added"]) == 1      # a repeated addition replaces the earlier one
 
 
 def test_resume_skips_finished_points(tmp_path):
@@ -306,3 +330,12 @@ def test_quick_config_profiles_every_registered_pair():
     assert quick.phases == ("forward", "train") and quick.max_wait == 0
     sizes = pts.graph_sizes("gat_aggregate", quick)
     assert all(s["k"] % s["heads"] == 0 for s in sizes)
+
+
+def test_only_names_profiled_primitives_and_needs_a_model_folder(tmp_path):
+    from scripts.init_machine import main
+    with pytest.raises(SystemExit, match="no profiled primitive nonesuch"):
+        main(["--only", "nonesuch", "--out", str(tmp_path), "--runs", str(tmp_path)])
+    with pytest.raises(SystemExit, match="without --only first"):
+        main(["--only", "head_dot", "--out", str(tmp_path), "--runs", str(tmp_path)])
+    assert not any(tmp_path.iterdir())          # nothing profiled, nothing written

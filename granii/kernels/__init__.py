@@ -11,6 +11,6 @@ values); ``edge_softmax``; ``spmm_norm`` (``act(D_dst^a A D_src^b X + bias)``, s
 """
 from granii.kernels.registry import REGISTRY, get, implementations, register
 from granii.kernels import dense, sddmm, softmax, spmm  # noqa: F401  (registration)
-from granii.kernels import native, native_gat, sparse_rows  # noqa: F401,E402  ("native" if built)
+from granii.kernels import head_dot, native, native_gat, sparse_rows  # noqa: F401,E402  ("native" if built)
 
 __all__ = ["REGISTRY", "register", "get", "implementations"]

@@ -25,7 +25,7 @@ def head_dot_torch(x, d):
     if heads == 1:      # a matrix-vector product: one pass over X, no X-sized temporary
         return x @ d
     a = d.sum(1).reshape(heads, -1)
-    return (x.reshape(x.shape[0], heads, -1) * a).sum(-1)
+    return (x.reshape(x.shape[0], heads, a.shape[1]) * a).sum(-1)
 
 
 @register("row_scale", "torch")

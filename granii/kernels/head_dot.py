@@ -1,0 +1,51 @@
+"""GAT's attention terms, one dot product per row and head: implementation ``"native"`` of
+``head_dot`` (``csrc/head_dot.cpp``).
+
+For ``X`` ``(n, H F)`` and ``d = blockdiag(a_1 .. a_H)`` ``(H F x H)``::
+
+    Y[i, h]          = sum_f X[i, h F + f] a_h[f]       (forward: one read of X)
+    dX[i, h F + f]   = dY[i, h] a_h[f]                   (backward: one pass over the rows
+    da_h[f]          = sum_i dY[i, h] X[i, h F + f]       gives both)
+
+torch's version (``dense.head_dot_torch``: broadcast multiply, then a sum over ``f``) is as fast in
+the forward, but its backward writes an ``(n, H F)`` temporary for ``da`` and reduces it over the
+rows: about ten times the forward. GAT takes these terms for every source row of a layer in
+training, so the backward is what this kernel is for. ``a`` is read off ``d`` as in torch's
+version, so the gradient reaches the attention parameter through ``d``.
+"""
+import torch
+
+from granii.kernels import native
+from granii.kernels.dense import head_dot_torch
+from granii.kernels.registry import register
+
+AVAILABLE = native.AVAILABLE and hasattr(torch.ops.granii, "head_dot")
+
+
+class _HeadDot(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, a):
+        ctx.save_for_backward(x, a)
+        return torch.ops.granii.head_dot(x, a)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, a = ctx.saved_tensors
+        need_x, need_a = ctx.needs_input_grad[:2]
+        dx, da = torch.ops.granii.head_dot_backward(g.contiguous(), x, a, need_x, need_a)
+        return (dx if need_x else None), (da if need_a else None)
+
+
+def head_dot_native(x, d):
+    """``Y = X blockdiag(a_1 .. a_H)`` as ``head_dot_torch``, by the native kernel (see the
+    module docstring); torch's version for one head (a matrix-vector product, whose backward is
+    one too) and where the kernel does not apply (mixed dtypes)."""
+    heads = d.shape[1]
+    if heads == 1 or x.dtype != d.dtype or x.dtype not in (torch.float32, torch.float64):
+        return head_dot_torch(x, d)
+    a = d.sum(1).reshape(heads, d.shape[0] // heads)
+    return _HeadDot.apply(x.reshape(x.shape[0], d.shape[0]).contiguous(), a.contiguous())
+
+
+if AVAILABLE:
+    register("head_dot", "native")(head_dot_native)

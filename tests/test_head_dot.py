@@ -118,3 +118,13 @@ def test_operator_checks():
         torch.ops.granii.head_dot(x, a.double())
     with pytest.raises(RuntimeError, match="g must be"):
         torch.ops.granii.head_dot_backward(torch.randn(10, 2), x, a, True, True)
+
+
+def test_under_inference_mode():
+    a = torch.randn(4, 6, requires_grad=True)        # a parameter, as in a layer
+    with torch.inference_mode():
+        x = torch.randn(30, 24)
+        y = head_dot.head_dot_native(x, block_diag(a))
+    assert y.is_inference()
+    torch.testing.assert_close(y, reference(x, a.detach(), torch.zeros(30, 4))[0].float(),
+                               atol=1e-5, rtol=1e-5)

@@ -8,6 +8,7 @@ inference_mode, wrapping twice, restore, graphs and features edited in place.
 """
 import copy
 import io
+import warnings
 
 import dgl
 import numpy as np
@@ -244,12 +245,15 @@ def test_inference_mode(name):
     run, model, ref, g, x, w = build_case(case, "undirected")
     model.eval()
     ref.eval()
-    with torch.inference_mode():
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         for _ in range(2):
             assert_close(run(model, w), run(ref, w), f"{name} under inference_mode")
         x_inf = x * 1.0               # an inference tensor
         assert_close(case.run(model, g, x_inf, w), case.run(ref, g, x_inf, w),
                      f"{name} under inference_mode, features made there")
+    raised = [str(m.message) for m in seen if " raised " in str(m.message)]
+    assert not raised, f"{name}: a plan failed under inference_mode: {raised}"
     eval_side_by_side(run, model, ref, w, what=f"{name} after inference_mode:")
 
 

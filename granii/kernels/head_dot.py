@@ -43,8 +43,11 @@ def head_dot_native(x, d):
     heads = d.shape[1]
     if heads == 1 or x.dtype != d.dtype or x.dtype not in (torch.float32, torch.float64):
         return head_dot_torch(x, d)
-    a = d.sum(1).reshape(heads, d.shape[0] // heads)
-    return _HeadDot.apply(x.reshape(x.shape[0], d.shape[0]).contiguous(), a.contiguous())
+    a = d.sum(1).reshape(heads, d.shape[0] // heads).contiguous()
+    x = x.reshape(x.shape[0], d.shape[0]).contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or a.requires_grad):
+        return _HeadDot.apply(x, a)
+    return torch.ops.granii.head_dot(x, a)     # nothing to save (inference tensors cannot be)
 
 
 if AVAILABLE:

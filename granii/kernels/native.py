@@ -155,13 +155,14 @@ class Values:
     Reading ``w[eid]`` inside the kernel costs a cache miss per nonzero on graphs whose edge ids
     are scattered (measured 1.3-1.7x the unweighted product on R-MAT); one gather into CSR order
     costs less. The values of a constant ``w`` (no grad: a normalised adjacency) are gathered once
-    per graph and order, kept while the same tensor object is passed unchanged (``_version``).
+    per graph and order, kept while the same tensor object is passed unchanged (``_version``;
+    an inference tensor has none, and is gathered at each call).
     """
     __slots__ = ("gi", "w2", "store")
 
     def __init__(self, gi, w2, user_w=None):
         self.gi, self.w2, self.store = gi, w2, None
-        if user_w is not None and not user_w.requires_grad:
+        if user_w is not None and not user_w.requires_grad and not user_w.is_inference():
             cache = gi.cache.setdefault("native_values", {})
             entry = cache.get(id(user_w))
             if entry is None or entry[0]() is not user_w or entry[1] != user_w._version \

@@ -9,7 +9,7 @@
 // The backward is one pass over the rows for both gradients. Each part (one per thread) sums da
 // over its own rows, and the parts are added in part order afterwards: the same result at the
 // same thread count. torch's version of the same backward writes an (n, H F) temporary for da
-// and reduces it over rows, about 10x the forward's time.
+// and reduces it over the rows.
 #include "native.h"
 
 #include <torch/library.h>

@@ -21,7 +21,8 @@ apart and is the warm-up; then at least 3 rounds (at most ``max_rounds``, within
 Ceiling: one more candidate, ``skeleton`` (``bench.skeleton``: the model with each graph layer
 reduced to its dense products on the destination rows), is timed in the same rounds; its epoch is
 what remains when the graph work costs nothing, so ``ceiling = dgl_ms / skeleton_ms`` bounds the
-speedup any plan can reach on torch's GEMM.
+speedup any plan can reach on torch's GEMM. For GAT, ``skeleton_src`` projects every source row
+(``ceiling_src``): the bound of the plans that project before aggregating, DGL's among them.
 
 Correctness: one batch's blocks, one seeded forward and backward of each optimized copy against
 DGL's model (outputs and gradients).
@@ -43,7 +44,7 @@ from .inputs import fresh_graph
 from .load import OthersMeter
 from .restrict import uses_excluded
 from .rounds import interleaved, median
-from .skeleton import skeleton
+from .skeleton import has_gat, skeleton
 
 BATCH = 1024
 ERRORS = []
@@ -144,10 +145,12 @@ def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=5, max_seed
         if name != "granii":
             row[f"{tag}uses_excluded"] = ",".join(used)
     names = ["dgl"] + [n for n in cost_models if n in checks] + ["skeleton"]
+    names += ["skeleton_src"] if has_gat(model0) else []
     epochs, first = {}, {}
     try:
         for name in names:
-            m = skeleton(model0) if name == "skeleton" else copy.deepcopy(model0)
+            m = (skeleton(model0, sources=name == "skeleton_src") if name.startswith("skeleton")
+                 else copy.deepcopy(model0))
             ep = epochs[name] = Epoch(spec, m, fresh_graph(inp.g), inp, seeds, fanouts, seed + 1,
                                       cost_models.get(name))
             first[name] = ep()                # includes granii(...) on the first batch
@@ -170,6 +173,8 @@ def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=5, max_seed
     if "granii" in names:
         row["granii"] = describe(epochs["granii"].model)["plans"]
     row["ceiling"] = row["dgl_ms"] / row["skeleton_ms"]
+    if "skeleton_src" in names:
+        row["ceiling_src"] = row["dgl_ms"] / row["skeleton_src_ms"]
     row.update(rounds=len(samples["dgl"]), iterations=epochs["dgl"].batches,
                others_cores=others.cores, time=time.strftime("%H:%M:%S"))
     _ratios(row)

@@ -8,6 +8,11 @@ layers (sampling, the feature gather, dropout between layers, the loss, the opti
 it is. Every plan of those layers makes these products (before or after aggregating, the weight
 multiplies at least the destination rows), so the skeleton's epoch is a floor for any plan on
 torch's GEMM, and DGL's epoch over it bounds the speedup reachable on that model and graph.
+
+``skeleton(model, sources=True)`` projects every source row in GATConv (``fc(feat_drop(H_src))``,
+then the destination rows): the floor of every GAT plan that projects before it aggregates, as
+DGL's layer does. Only the per-head plans (each head's raw features aggregated, then multiplied by
+that head's block of ``W``) can go below it, by doing more work on the edges.
 """
 import copy
 
@@ -18,9 +23,9 @@ from torch import nn
 class Skeleton(nn.Module):
     """``layer``'s dense products on the destination rows (see module doc)."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, sources=False):
         super().__init__()
-        self.layer = layer
+        self.layer, self.sources = layer, sources
 
     def forward(self, graph, feat, *args, **kwargs):
         layer = self.layer
@@ -34,7 +39,11 @@ class Skeleton(nn.Module):
             out = layer.fc_self(h) + layer.fc_neigh(h)
             return layer.activation(out) if layer.activation else out
         heads, width = layer._num_heads, layer._out_feats
-        out = layer.fc(layer.feat_drop(h)).view(n, heads, width)
+        if self.sources:
+            src = feat[0] if isinstance(feat, tuple) else feat
+            out = layer.fc(layer.feat_drop(src))[:n].view(n, heads, width)
+        else:
+            out = layer.fc(layer.feat_drop(h)).view(n, heads, width)
         if layer.bias is not None:
             out = out + layer.bias.view(1, heads, width)
         return layer.activation(out) if layer.activation else out
@@ -43,14 +52,18 @@ class Skeleton(nn.Module):
 LAYERS = (GraphConv, SAGEConv, GATConv)
 
 
-def skeleton(model):
+def skeleton(model, sources=False):
     """A copy of ``model`` with each graph layer replaced by its ``Skeleton``."""
     model = copy.deepcopy(model)
     for child in list(model.modules()):
         for attr, sub in list(child.named_children()):
             if isinstance(sub, LAYERS):
-                setattr(child, attr, Skeleton(sub))
+                setattr(child, attr, Skeleton(sub, sources))
     return model
 
 
-__all__ = ["skeleton", "Skeleton"]
+def has_gat(model):
+    return any(isinstance(m, GATConv) for m in model.modules())
+
+
+__all__ = ["skeleton", "Skeleton", "has_gat"]

@@ -168,24 +168,27 @@ def test_benchmark_script_quick_plan():
     assert len([p for p in parts if p == "models"]) == 2 * 2 * 6
 
 
+@pytest.mark.parametrize("sources", [False, True])
 @pytest.mark.parametrize("name", ["sage", "gcn", "gat"])
-def test_skeleton_is_the_layers_dense_part(name):
+def test_skeleton_is_the_layers_dense_part(name, sources):
     """On blocks whose destinations each have one in-edge, from themselves, every layer's
     aggregation is the identity (mean of one row, degree 1, a softmax over one edge), so the
-    skeleton must give the model's own output and gradients."""
+    skeleton must give the model's own output and gradients, whether GAT projects the
+    destination rows only or every source row (more sources than destinations here)."""
     import dgl
     from bench import examples, skeleton
     spec, fanouts = examples.SAMPLED[name]
     torch.manual_seed(0)
     model = spec.build(None, 12, 3, True).eval()
-    sizes = [40, 40, 40, 40][:len(fanouts) + 1]
+    sizes = [50, 45, 40, 35][:len(fanouts) + 1]
     blocks = []
     for n_src, n_dst in zip(sizes[:-1], sizes[1:]):
         ids = torch.arange(n_dst)
         blocks.append(dgl.create_block((ids, ids), num_src_nodes=n_src, num_dst_nodes=n_dst))
     x = torch.randn(sizes[0], 12)
-    skel = skeleton.skeleton(model)
+    skel = skeleton.skeleton(model, sources=sources)
     assert sum(isinstance(m, skeleton.Skeleton) for m in skel.modules()) == len(fanouts)
+    assert skeleton.has_gat(model) == (name == "gat")
     want, got = spec.run(model, blocks, x), spec.run(skel, blocks, x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     want.sum().backward()

@@ -628,6 +628,8 @@ def _any_requires_grad(module):
 ORIGINAL = "original forward"
 TRIAL_ROUNDS = 3         # timed calls per candidate, after one untimed call each
 TRIAL_DROP = 1.5         # a candidate whose fastest timed call is this much slower is dropped
+TRIAL_FIRST_DROP = 4.0   # ... or whose untimed first call is this much slower than a timed one
+TRIAL_FIRST_EXCESS = 0.1  # ... and by this many seconds (more than a first call's warm-up)
 ORIGINAL_MARGIN = 0.05   # a plan is kept over the layer's own forward when this much faster
 
 
@@ -737,7 +739,13 @@ class Trial:
     own layer as measured. A candidate whose fastest timed call is more than ``TRIAL_DROP``
     times the fastest timed call of another leaves the trial at once (``drop_slow``): a plan
     priced far too low (a per-head plan predicted at 43 ms ran 160 ms in training on a PubMed
-    block) then costs two calls, not four.
+    block) then costs two calls, not four. One whose untimed first call alone exceeds
+    ``TRIAL_FIRST_DROP`` times another's fastest timed call, and by ``TRIAL_FIRST_EXCESS``
+    seconds, leaves before its timed call: DGL's GATConv on GitHub at 32 -> 512, 400 ms a call
+    beside a 20 ms plan, then runs once, not twice. The margins leave room for a first call's
+    warm-up (DGL's first call on a graph builds its sparse formats: 10-17 ms on GitHub's 0.6 M
+    edges, where GraphConv's later calls took 7-10 ms), so the layer's own forward is not dropped
+    for a slow first call when it would have been the fastest.
 
     On sampled blocks the candidates take turns on successive blocks of one sampler
     configuration, whose sizes differ: each time is divided by the block's size
@@ -782,13 +790,23 @@ class Trial:
 
     def drop_slow(self):
         """Take out the candidates whose fastest timed call (after the untimed first) exceeds
-        ``TRIAL_DROP`` times another's fastest; each must have one timed call first."""
+        ``TRIAL_DROP`` times another's fastest, once each has a timed call; before that, those
+        whose untimed first call exceeds ``TRIAL_FIRST_DROP`` times another's fastest timed
+        call and by ``TRIAL_FIRST_EXCESS`` seconds."""
         best = {c[0]: min(self.times[c[0]][1:]) for c in self.candidates
                 if len(self.times.get(c[0], ())) > 1}
-        if len(best) < len(self.candidates) or len(best) < 2:
+        if not best:
             return
-        floor = min(best.values())
-        slow = [c for c in self.candidates if best[c[0]] > TRIAL_DROP * floor]
+        slow = []
+        for c in self.candidates:
+            ts = self.times.get(c[0], ())
+            others = [t for label, t in best.items() if label != c[0]]
+            if (len(ts) == 1 and others and ts[0] > TRIAL_FIRST_DROP * min(others)
+                    and ts[0] - min(others) > TRIAL_FIRST_EXCESS):
+                slow.append(c)
+        if len(best) == len(self.candidates) and len(best) >= 2:
+            floor = min(best.values())
+            slow += [c for c in self.candidates if best[c[0]] > TRIAL_DROP * floor]
         self.dropped += slow
         self.candidates = [c for c in self.candidates if c not in slow]
 

@@ -646,6 +646,36 @@ def test_trial_drops_a_candidate_far_slower_after_one_timed_call():
     assert [c[0] for c in t.candidates] == ["[a]", ORIGINAL]
 
 
+def test_trial_drops_a_candidate_whose_first_call_is_far_slower():
+    """Before its timed call, a candidate whose untimed first call exceeds ``TRIAL_FIRST_DROP``
+    times another's fastest timed call, and by ``TRIAL_FIRST_EXCESS`` seconds, leaves; within
+    either margin (a first call's warm-up) it stays."""
+    from granii.dispatch import ORIGINAL, TRIAL_FIRST_DROP, TRIAL_FIRST_EXCESS, Trial
+    unit = TRIAL_FIRST_EXCESS           # a call of the fast plan
+    t = Trial([("[a]", None, None), (ORIGINAL, None, None), ("[b]", None, None)])
+    t.record("[a]", 3 * unit)           # untimed: no timed call anywhere yet, nothing to compare
+    t.record(ORIGINAL, 100 * unit)
+    t.drop_slow()
+    assert len(t.candidates) == 3
+    t.record("[a]", unit)               # timed
+    t.record("[b]", 0.9 * TRIAL_FIRST_DROP * unit)      # untimed, within the factor
+    t.drop_slow()
+    assert [c[0] for c in t.candidates] == ["[a]", "[b]"]
+    assert t.report() == [("[a]", unit), ("[b]", 0.9 * TRIAL_FIRST_DROP * unit),
+                          (ORIGINAL, 100 * unit)]
+    t.record("[b]", 1.2 * unit)         # timed, within TRIAL_DROP of [a]: both stay
+    t.drop_slow()
+    assert [c[0] for c in t.candidates] == ["[a]", "[b]"]
+    small = 0.01 * TRIAL_FIRST_EXCESS   # a small layer: a 10x first call is only warm-up
+    t = Trial([("[a]", None, None), (ORIGINAL, None, None)])
+    for label, first, timed in (("[a]", small, small), (ORIGINAL, 10 * small, None)):
+        t.record(label, first)
+        if timed:
+            t.record(label, timed)
+    t.drop_slow()
+    assert len(t.candidates) == 2
+
+
 def test_trial_times_plans_whose_graph_work_differs():
     """Of plans predicted close to the best, the tie-break skips those that run the same graph
     kernels on the same sizes as one already taken (they differ in dense products only)."""

@@ -746,3 +746,28 @@ def test_gin_trial_runs_an_implementation_variant_and_keeps_dgls_results():
     assert variant and variant[0].split(" ")[0] in labels
     (decision,) = st.chosen.values()
     assert decision["plan"] != "original forward" or kept == "original forward"
+
+
+def test_layers_of_one_configuration_share_their_enumeration():
+    """Two instances of a layer with one configuration share the enumerated plans (they depend
+    on the IR alone), each runs with its own parameters and functions, and a layer configured
+    otherwise gets plans of its own."""
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 12)
+    torch.manual_seed(0)
+    a, b = SAGEConv(12, 6, "mean", activation=torch.relu), SAGEConv(12, 6, "mean",
+                                                                     activation=torch.relu)
+    c = SAGEConv(12, 6, "mean", activation=torch.tanh)
+    refs = [copy.deepcopy(m) for m in (a, b, c)]
+    for m in (a, b, c):
+        granii(m, g, x, cost_model=AnalyticalCost())
+
+    def plans(m):
+        (variants,) = layer_states(m)[0].compiled.values()
+        return variants[0].plans
+    assert all(p is q for p, q in zip(plans(a), plans(b))) and len(plans(a)) == len(plans(b))
+    assert not set(map(id, plans(a))) & set(map(id, plans(c)))
+    for m, ref in zip((a, b, c), refs):
+        for _ in range(3):
+            y = torch.randn(g.num_nodes(), 12)
+            torch.testing.assert_close(m(g, y), ref(g, y), atol=1e-5, rtol=1e-4)

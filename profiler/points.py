@@ -4,8 +4,9 @@ A *point* is one (primitive, graph or ``"dense"``, sizes) cell; every implementa
 primitive is timed on it side by side. Sparse primitives run on the corpus graphs
 (``profiler.generators.corpus``) plus one-hop neighbour-sampled blocks of some of them, over the
 embedding sizes ``k`` (or the head counts of edge scores); the dense ones on size grids alone:
-GEMM on ``(m, k, n)`` (``m`` rows of ``X``, ``X W`` with ``W`` of shape ``k x n``) and the row
-scaling on ``(n, k)``.
+GEMM on ``(m, k, n)`` (``m`` rows of ``X``, ``X W`` with ``W`` of shape ``k x n``), the row
+scaling on ``(n, k)``, GAT's per-head scores ``head_dot`` on ``(m, k = heads x F, n = heads)``
+(``m`` from the GEMM grid, ``F`` from ``gat_f`` and 32).
 
 Inputs are those the layers pass: float features, float edge values (a normalised adjacency) for
 ``spmm_weighted``, degree powers ``D^-1/2`` for ``sddmm_scale``, ``(n, heads, 1)`` attention terms
@@ -41,8 +42,8 @@ class Config:
 
     ``graphs``: corpus names (``generators.build`` rebuilds each); ``blocks_every``: add a one-hop
     sampled block of every this-many-th non-sampled graph (0: none). ``ks``: embedding sizes of the
-    SpMMs; ``heads``: head counts of the edge-score primitives; ``gat_f``: per-head widths of
-    ``gat_aggregate`` (``k = heads x F``). ``phases``: "forward" (no autograd) and "train"
+    SpMMs; ``heads``: head counts of the edge-score primitives and ``head_dot``; ``gat_f``:
+    per-head widths of ``gat_aggregate`` and ``head_dot`` (``k = heads x F``). ``phases``: "forward" (no autograd) and "train"
     (forward and backward of the gradients ``learned.TRAIN_GRADS`` names). ``gemm_m``/``gemm_kn``: the GEMM
     grid (``k`` and ``n`` both from ``gemm_kn``); ``row_n``/``row_k``: the row-scaling grid.
     ``max_call``: a point whose implementations take longer than this together (seconds per round)

@@ -9,7 +9,12 @@ tie-break) before it keeps one. ``settled()`` says whether every optimized copy 
 choice; the rounds from the first one that starts settled on are the *steady* rounds, and the
 steady time of every candidate is the median of those same rounds. Rounds stop at
 ``max_rounds``, or once ``min_rounds`` are done, ``budget`` seconds have passed and at least
-``min_steady`` steady rounds are in; never later than ``cap`` seconds.
+``min_steady`` steady rounds are in; never later than ``cap`` seconds. When the cap ends them
+before that, the candidates named in ``settle`` (the optimized copies) go on alone, round by
+round, until they are settled and ``min_steady`` of their rounds are steady, within ``cap``
+seconds more and ``max_rounds`` rounds in all: otherwise the calls of their tie-break, which a
+slow layer's few rounds are made of, would stand for their steady time. Their samples are then
+longer than the others'; the others' steady time is the median of all their rounds.
 """
 import statistics
 import time
@@ -23,7 +28,7 @@ def timed(fn, *args):
 
 
 def interleaved(cands, warmup=0, max_rounds=30, min_rounds=3, budget=None, settled=None,
-                min_steady=3, cap=None):
+                min_steady=3, cap=None, settle=()):
     """``({name: [seconds per round]}, index of the first steady round)`` for the candidates
     ``{name: measure()}`` (see module doc; without ``settled`` every round is steady)."""
     for _ in range(warmup):
@@ -44,7 +49,24 @@ def interleaved(cands, warmup=0, max_rounds=30, min_rounds=3, budget=None, settl
         if (budget is not None and r + 1 >= min_rounds and elapsed > budget
                 and n_steady >= min(min_steady, r + 1)):
             break
+    if settle and settled is not None and cap is not None:
+        steady_from = _settle_alone({k: cands[k] for k in settle}, samples, steady_from,
+                                    settled, min_steady, max_rounds, cap)
     return samples, steady_from
+
+
+def _settle_alone(cands, samples, steady_from, settled, min_steady, max_rounds, cap):
+    """Rounds of ``cands`` alone until ``min_steady`` of them are steady (see module doc)."""
+    start = time.perf_counter()
+    while True:
+        r = len(samples[next(iter(cands))])
+        if steady_from is None and settled():
+            steady_from = r
+        if ((steady_from is not None and r - steady_from >= min_steady) or r >= max_rounds
+                or time.perf_counter() - start > cap):
+            return steady_from
+        for k, measure in cands.items():
+            samples[k].append(measure())
 
 
 def summarise(first, samples, steady_from, calls):

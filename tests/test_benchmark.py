@@ -6,6 +6,7 @@ report reads.
 import csv
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,31 @@ def test_float64_reference_tells_a_kink_from_an_error():
     # settle reports each step and passes the kink
     ok, where = check.settle(err, where, _Kink, made(reassociated=True), run)
     assert ok and "against float64" in where
+
+
+def test_rounds_cut_by_the_cap_let_the_optimized_copies_settle():
+    """When the time cap ends the rounds while the tie-break still runs, the candidates in
+    ``settle`` go on alone until ``min_steady`` of their rounds are steady; the others keep the
+    rounds they had, and their steady time is the median of all of them."""
+    from bench.rounds import interleaved, summarise
+    calls = {"dgl": 0, "granii": 0}
+
+    def dgl():                      # slower than the cap: one shared round
+        calls["dgl"] += 1
+        time.sleep(0.06)
+        return 1.0
+
+    def granii():
+        calls["granii"] += 1
+        return 5.0 if calls["granii"] <= 6 else 0.1     # six calls of tie-break, then the plan
+    samples, steady = interleaved({"dgl": dgl, "granii": granii}, max_rounds=40, min_rounds=2,
+                                  budget=0.0, settled=lambda: calls["granii"] >= 6,
+                                  min_steady=3, cap=0.05, settle=["granii"])
+    assert len(samples["dgl"]) == 1                       # the cap ended the shared rounds
+    assert steady == 6 and len(samples["granii"]) == 9     # settled after 6 calls, 3 steady
+    med, total = summarise(0.0, samples["granii"], steady, 100)
+    assert med == 0.1 and math.isclose(total, 6 * 5.0 + 93 * 0.1)
+    assert summarise(0.0, samples["dgl"], steady, 100)[0] == 1.0
+    capped, _ = interleaved({"dgl": dgl, "granii": lambda: 5.0}, max_rounds=12, min_rounds=2,
+                            budget=0.0, settled=lambda: False, cap=0.05, settle=["granii"])
+    assert len(capped["granii"]) == 12                     # never settled: max_rounds bounds it

@@ -35,13 +35,6 @@ inline T dot(const T* __restrict x, const T* __restrict a, int64_t F) {
   return s;
 }
 
-// Parts of a pass over n rows of w elements: one unless the pass is large enough to pay for a
-// parallel region.
-inline int64_t row_parts(int64_t n, int64_t w) {
-  if (n * w < (int64_t{1} << 15)) return 1;
-  return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-}
-
 void check_args(const at::Tensor& x, const at::Tensor& a, const char* name) {
   TORCH_CHECK(x.dim() == 2 && a.dim() == 2, name, ": x must be (n, H F) and a (H, F)");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, name,
@@ -61,7 +54,7 @@ at::Tensor head_dot(const at::Tensor& x, const at::Tensor& a) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* ap = a.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
-    const int64_t parts = row_parts(n, H * F);
+    const int64_t parts = num_parts(0, n, 0, H * F);
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         for (int64_t i = n * p / parts; i < n * (p + 1) / parts; ++i) {
@@ -90,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor> head_dot_backward(const at::Tensor& g, const 
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* ap = a.data_ptr<scalar_t>();
     scalar_t* dxp = need_x ? dx.data_ptr<scalar_t>() : nullptr;
-    const int64_t parts = row_parts(n, W);
+    const int64_t parts = num_parts(0, n, 0, W);
     std::vector<scalar_t> partial(need_a ? parts * W : 0, scalar_t(0));
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {

@@ -69,11 +69,17 @@ def _settle_alone(cands, samples, steady_from, settled, min_steady, max_rounds, 
             samples[k].append(measure())
 
 
+def steady_median(samples, steady_from):
+    """Median of a candidate's steady rounds; of all its rounds when it has none past
+    ``steady_from`` (a candidate left out of the rounds the optimized copies ran alone)."""
+    steady = samples[steady_from:] if steady_from is not None else samples
+    return statistics.median(steady or samples)
+
+
 def summarise(first, samples, steady_from, calls):
     """``(steady median, total of `calls` calls)`` of one candidate: the first call, the calls
     measured, and the steady median for the calls not measured."""
-    steady = samples[steady_from:] if steady_from is not None else samples
-    med = statistics.median(steady or samples)
+    med = steady_median(samples, steady_from)
     measured = samples[:calls - 1]
     return med, first + sum(measured) + max(0, calls - 1 - len(measured)) * med
 
@@ -82,4 +88,4 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
-__all__ = ["interleaved", "summarise", "timed", "median"]
+__all__ = ["interleaved", "summarise", "steady_median", "timed", "median"]

@@ -31,7 +31,6 @@ same features, on the timed tensor called twice more (the reuse path), against D
 (``check.rel_err``).
 """
 import copy
-import statistics
 import time
 import traceback
 
@@ -48,7 +47,7 @@ from .decisions import Settling, describe
 from .fullbatch import CAP, _ratios, _short, record
 from .inputs import FreshFeatures, fresh_graph
 from .load import OthersMeter
-from .rounds import interleaved, timed
+from .rounds import interleaved, steady_median, timed
 
 CALLS = 100
 LAYERS = ("gcn", "sgc", "tagcn", "gin", "sage", "gat")
@@ -160,7 +159,7 @@ def _time(layer0, g, x, k_out, names, features, budget, max_rounds, seed):
             settle=[k for k in names if k != "dgl"])
     record(row, names, first, samples, steady_from, CALLS)
     if feats:
-        floor = statistics.median(samples["floor"][steady_from or 0:]) * 1e3
+        floor = steady_median(samples["floor"], steady_from) * 1e3
         row.update(floor_ms=floor, ceiling=row["dgl_ms"] / floor)
     row.update(others_cores=others.cores, time=time.strftime("%H:%M:%S"))
     return row, layers

@@ -284,3 +284,25 @@ def test_rounds_cut_by_the_cap_let_the_optimized_copies_settle():
     capped, _ = interleaved({"dgl": dgl, "granii": lambda: 5.0}, max_rounds=12, min_rounds=2,
                             budget=0.0, settled=lambda: False, cap=0.05, settle=["granii"])
     assert len(capped["granii"]) == 12                     # never settled: max_rounds bounds it
+
+
+def test_single_layer_row_when_the_optimized_copies_settled_alone(tiny, cost_model, monkeypatch):
+    """When the optimized copies ran rounds alone (``settle``), DGL's and the floor's steady
+    times come from all their rounds, not from an empty slice past them."""
+    from bench import rounds, single
+    torch.set_num_threads(2)
+    real = rounds.interleaved
+
+    def settled_alone(cands, **kw):
+        samples, _ = real(cands, **dict(kw, max_rounds=2, settled=None, settle=()))
+        for name in kw["settle"]:          # three more rounds alone, the last two steady
+            samples[name] += [cands[name]() for _ in range(3)]
+        samples["floor"] = [0.004, 0.002]
+        return samples, 3
+    monkeypatch.setattr(single, "interleaved", settled_alone)
+    new, _ = single.measure("gcn", "tiny", _tiny_inputs(tiny).g, 8, 4,
+                            {"granii": cost_model}, budget=0.0, max_rounds=2)
+    assert new["status"] == "ok" and new["check"] == "pass", new
+    assert new["rounds"] == 2 and new["alone_rounds"] == 3 and new["steady_rounds"] == 2
+    assert new["floor_ms"] == pytest.approx(3.0)
+    assert math.isfinite(new["speedup"]) and math.isfinite(new["ceiling"])

@@ -55,10 +55,11 @@ def _trials(models):
         return out
     for model in models:
         for st in layer_states(model):
-            for per_graph in list(st.decisions.values()):
-                for key, d in per_graph.items():
-                    if isinstance(d, trial):
-                        out[(id(st), key)] = d.turn
+            # a block's own table goes with the block; its sampler configuration's stays
+            for per_graph in list(st.decisions.values()) + [getattr(st, "sampled", {})]:
+                for d in list(per_graph.values()):
+                    if isinstance(d, trial):      # one trial may sit in several tables
+                        out[id(d)] = d.turn
     return out
 
 

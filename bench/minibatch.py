@@ -16,7 +16,14 @@ candidates epoch by epoch after a warm-up epoch each.
 Seeds (the training nodes of an epoch): a fixed random ``max_seeds`` of the graph's nodes (4,096:
 4 batches), or all of them on a smaller graph, so an epoch stays within seconds on two cores.
 The first epoch of each candidate (for granii with ``granii(...)`` on its first batch) is timed
-apart and is the warm-up; then at least 3 rounds (at most ``max_rounds``, within ``budget``).
+apart; then rounds (``rounds.interleaved``) until granii's measured tie-breaks have ended and 3
+rounds are steady (at most ``max_rounds``, within ``budget``; the optimized copies go on alone
+when the cap ends the rounds first). On sampled blocks a tie-break takes turns on successive
+blocks of one sampler configuration, so with 4 batches per epoch it spans the first 3-5 epochs.
+Two figures per candidate: ``*_ms`` is the steady epoch (the median of the steady rounds), and
+``*_total_ms`` the epoch of a ``RUN_EPOCHS``-epoch training run with its first epochs included:
+the first epoch, the measured ones, and the steady epoch for the rest, divided by ``RUN_EPOCHS``
+(the headline, like the first-included totals of the other parts).
 
 Ceiling: one more candidate, ``skeleton`` (``bench.skeleton``: the model with each graph layer
 reduced to its dense products on the destination rows), is timed in the same rounds; its epoch is
@@ -38,15 +45,16 @@ import torch.nn.functional as F
 from granii import granii as optimize
 
 from . import check
-from .decisions import describe
-from .fullbatch import _ratios, _short
+from .decisions import Settling, describe
+from .fullbatch import CAP, _ratios, _short, record
 from .inputs import fresh_graph
 from .load import OthersMeter
 from .restrict import uses_excluded
-from .rounds import interleaved, median
+from .rounds import interleaved, median, steady_median
 from .skeleton import has_gat, skeleton
 
 BATCH = 1024
+RUN_EPOCHS = 10    # a training run of the headline: DGL's sampling examples train 10
 ERRORS = []
 
 
@@ -120,8 +128,8 @@ def correctness(spec, model0, inp, fanouts, seeds, cost_models):
     return out
 
 
-def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=5, max_seeds=4096,
-            seed=0):
+def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=RUN_EPOCHS - 1,
+            max_seeds=4096, seed=0):
     """One row of ``models.csv`` with ``task="minibatch"`` (see module doc)."""
     seeds = seeds_of(inp.g, max_seeds, seed)
     row = dict(model=spec.name, label=spec.label, graph=inp.name, nodes=inp.g.num_nodes(),
@@ -154,20 +162,21 @@ def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=5, max_seed
             ep = epochs[name] = Epoch(spec, m, fresh_graph(inp.g), inp, seeds, fanouts, seed + 1,
                                       cost_models.get(name))
             first[name] = ep()                # includes granii(...) on the first batch
+        optimized = [n for n in cost_models if n in checks]
         with OthersMeter() as others:
-            samples, _ = interleaved(dict(epochs), warmup=0, max_rounds=max_rounds,
-                                     min_rounds=min(3, max_rounds), budget=budget)
+            samples, steady_from = interleaved(
+                dict(epochs), warmup=0, max_rounds=max_rounds, min_rounds=min(3, max_rounds),
+                budget=budget, settled=Settling(*(epochs[n].model for n in optimized)),
+                cap=CAP * budget, settle=optimized)
     except Exception as e:                 # noqa: BLE001
         ERRORS.append((dict(row), traceback.format_exc()[-3000:]))
         row.update(status=f"error: {_short(e)}")
         return row
+    record(row, names, first, samples, steady_from, RUN_EPOCHS)
     for name in names:
-        med = median(samples[name])
+        med = steady_median(samples[name], steady_from)
         sampling = median(epochs[name].sampling[1:])
-        row[f"{name}_ms"] = med * 1e3
-        row[f"{name}_min_ms"] = min(samples[name]) * 1e3
-        row[f"{name}_first_ms"] = first[name] * 1e3
-        row[f"{name}_total_ms"] = med * 1e3              # per epoch: the headline is steady
+        row[f"{name}_total_ms"] /= RUN_EPOCHS            # per epoch of the run
         row[f"{name}_sampling_ms"] = sampling * 1e3
         row[f"{name}_model_ms"] = (med - sampling) * 1e3
     if "granii" in names:
@@ -175,7 +184,7 @@ def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=5, max_seed
     row["ceiling"] = row["dgl_ms"] / row["skeleton_ms"]
     if "skeleton_src" in names:
         row["ceiling_src"] = row["dgl_ms"] / row["skeleton_src_ms"]
-    row.update(rounds=len(samples["dgl"]), iterations=epochs["dgl"].batches,
+    row.update(iterations=epochs["dgl"].batches, run_epochs=RUN_EPOCHS,
                others_cores=others.cores, time=time.strftime("%H:%M:%S"))
     _ratios(row)
     try:

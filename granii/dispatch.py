@@ -706,7 +706,8 @@ def _decide(state, options, call):
     # would cost several calls at many times a plan's time, and it never wins
     if not getattr(call.compiled.layer_ir, "udfs", ()):
         cands.append((ORIGINAL, None, None))
-    return Trial(cands) if len(cands) > 1 else chosen
+    # each sampled block is new, so a candidate's first call on one is like its later calls
+    return Trial(cands, warm=0 if call.gi.is_block else 1) if len(cands) > 1 else chosen
 
 
 def within_memory(ranking, symbols, limit):
@@ -751,8 +752,11 @@ class Trial:
     configuration, whose sizes differ: each time is divided by the block's size
     ``E + N_src + N_dst`` (``block_scale``), so the medians compare time per unit of work; the
     kept decision then serves the later blocks (``homes``: where it is stored besides the block's
-    own table)."""
+    own table). There no call is left untimed (``warm=0``): the first call on a graph builds
+    what later calls on it reuse, and on blocks used once every call does that, so a candidate's
+    first call is one of its ``TRIAL_ROUNDS``; the trial then costs a call less per candidate."""
     candidates: list
+    warm: int = 1                                 # untimed first calls per candidate
     times: dict = field(default_factory=dict)
     turn: int = 0
     homes: list = field(default_factory=list)     # [(dict, key)] that get the kept decision
@@ -776,7 +780,8 @@ class Trial:
         self.pending.clear()
 
     def settled(self):
-        return all(len(self.times.get(c[0], ())) > TRIAL_ROUNDS for c in self.candidates)
+        return all(len(self.times.get(c[0], ())) >= self.warm + TRIAL_ROUNDS
+                   for c in self.candidates)
 
     def done(self):
         """Every candidate timed enough, or one left (the others raised or were dropped)."""
@@ -789,11 +794,11 @@ class Trial:
         self.pending.clear()
 
     def drop_slow(self):
-        """Take out the candidates whose fastest timed call (after the untimed first) exceeds
-        ``TRIAL_DROP`` times another's fastest, once each has a timed call; before that, those
+        """Take out the candidates whose fastest timed call (after the untimed first, if any)
+        exceeds ``TRIAL_DROP`` times another's fastest, once each has two calls; before that, those
         whose untimed first call exceeds ``TRIAL_FIRST_DROP`` times another's fastest timed
         call and by ``TRIAL_FIRST_EXCESS`` seconds."""
-        best = {c[0]: min(self.times[c[0]][1:]) for c in self.candidates
+        best = {c[0]: min(self.times[c[0]][self.warm:]) for c in self.candidates
                 if len(self.times.get(c[0], ())) > 1}
         if not best:
             return
@@ -811,8 +816,8 @@ class Trial:
         self.candidates = [c for c in self.candidates if c not in slow]
 
     def medians(self):
-        return {label: sorted(ts[1:] or ts)[len(ts[1:] or ts) // 2]
-                for label, ts in self.times.items() if ts}
+        timed = {label: ts[self.warm:] or ts for label, ts in self.times.items() if ts}
+        return {label: sorted(ts)[len(ts) // 2] for label, ts in timed.items()}
 
     def winner(self):
         """The fastest median; but a plan replaces the layer's own forward only when it beat it

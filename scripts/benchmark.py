@@ -9,8 +9,8 @@ Parts (see the modules of ``bench/`` for what each measures and how):
 * ``models``     DGL's example models (GCN, GAT, GraphSAGE, GIN, SGC, TAGCN) with their dropout on
                  the real graphs: full-batch training epochs and inference on new features at
                  every call (``bench/fullbatch.py``) -> ``models.csv``;
-* ``minibatch``  GraphSAGE, GCN and GAT trained with a neighbour sampler, per epoch
-                 (``bench/minibatch.py``) -> rows of ``models.csv``;
+* ``minibatch``  GraphSAGE, GCN and GAT trained with a neighbour sampler, per epoch of a 10-epoch
+                 run (``bench/minibatch.py``) -> rows of ``models.csv``;
 * ``layers``     single layers on new features each call and on the same features again
                  (``bench/single.py``) -> ``layers.csv``.
 
@@ -180,7 +180,7 @@ def run(args, cost_model, out, log):
             elif part == "minibatch":
                 spec, fanouts = examples.SAMPLED[key[0]]
                 row = minibatch.measure(spec, fanouts, inp, cms, budget=budget["minibatch"],
-                                        max_rounds=3 if args.quick else 5)
+                                        max_rounds=3 if args.quick else minibatch.RUN_EPOCHS - 1)
                 model_rows.append(row)
                 write_csv(out / "models.csv", model_rows)
                 log(_line(row))

@@ -306,3 +306,36 @@ def test_single_layer_row_when_the_optimized_copies_settled_alone(tiny, cost_mod
     assert new["rounds"] == 2 and new["alone_rounds"] == 3 and new["steady_rounds"] == 2
     assert new["floor_ms"] == pytest.approx(3.0)
     assert math.isfinite(new["speedup"]) and math.isfinite(new["ceiling"])
+
+
+def test_settling_follows_a_tie_break_on_sampled_blocks(cost_model):
+    """``Settling`` sees a tie-break that takes turns on sampled blocks, whose own decision
+    tables go with each block: not settled while the turns go on, settled once they end."""
+    import copy
+
+    import dgl
+    from dgl.nn import SAGEConv
+
+    from bench.decisions import Settling
+    from granii import granii
+    from granii.dispatch import TRIAL_ROUNDS
+    torch.set_num_threads(2)
+    dgl.seed(0)
+    g = dgl.add_self_loop(dgl.rand_graph(300, 2400))
+    sampler = dgl.dataloading.NeighborSampler([4])
+    gen = torch.Generator().manual_seed(0)
+    x_all = torch.randn(g.num_nodes(), 12)
+    torch.manual_seed(0)
+    ref = SAGEConv(12, 6, "mean")
+    model = copy.deepcopy(ref)
+    settled, seen = Settling(model), []
+    for i in range(4 * (TRIAL_ROUNDS + 1) + 4):
+        inp, _, (block,) = sampler.sample_blocks(g, torch.randperm(300, generator=gen)[:40])
+        if i == 0:
+            granii(model, block, x_all[inp], cost_model=cost_model)
+        seen.append(settled())
+        out = model(block, x_all[inp])
+        torch.testing.assert_close(out, ref(block, x_all[inp]), atol=1e-5, rtol=1e-4)
+        out.sum().backward()
+    assert not any(seen[1:4])                    # the turns go on over the first blocks
+    assert all(seen[-2:])                        # and end

@@ -771,3 +771,30 @@ def test_layers_of_one_configuration_share_their_enumeration():
         for _ in range(3):
             y = torch.randn(g.num_nodes(), 12)
             torch.testing.assert_close(m(g, y), ref(g, y), atol=1e-5, rtol=1e-4)
+
+
+def test_a_trial_on_blocks_times_every_call():
+    """On sampled blocks (``warm=0``) a candidate's first call counts: the trial settles after
+    ``TRIAL_ROUNDS`` calls each, and the medians include the first; on a whole graph the first
+    call of each stays untimed."""
+    from granii.dispatch import Trial
+
+    def run(warm):
+        t = Trial([("[a]", None, None), ("[b]", None, None)], warm=warm)
+        calls = 0
+        while not t.done():
+            label = t.next()[0]
+            calls += 1
+            first = len(t.times.get(label, ())) == 0
+            t.record(label, {"[a]": 5.0 if first else 1.0, "[b]": 1.2}[label])
+        return t, calls
+    blocks, n_blocks = run(warm=0)
+    whole, n_whole = run(warm=1)
+    assert n_blocks == 2 * TRIAL_ROUNDS and n_whole == 2 * (TRIAL_ROUNDS + 1)
+    assert blocks.medians()["[a]"] == 1.0 and whole.medians()["[a]"] == 1.0
+    assert blocks.winner()[0] == "[a]" == whole.winner()[0]
+    slow_first = Trial([("[a]", None, None), ("[b]", None, None)], warm=0)
+    for label, s in (("[a]", 9.0), ("[b]", 1.0), ("[a]", 9.0), ("[b]", 1.0)):
+        slow_first.record(label, s)
+        slow_first.drop_slow()
+    assert [c[0] for c in slow_first.candidates] == ["[b]"]    # slower twice: dropped

@@ -176,7 +176,8 @@ def record(row, names, first, samples, steady_from, n):
     # optimized copies may have gone on alone until settled (``rounds.interleaved``)
     mine = len(samples.get("granii", samples["dgl"]))
     row["alone_rounds"] = mine - len(samples["dgl"])
-    row["steady_rounds"] = mine - steady_from if steady_from is not None else 0
+    row["steady_rounds"] = (len(samples.get("granii", samples["dgl"])[steady_from:])
+                            if steady_from is not None else 0)
 
 
 def _ratios(row):

@@ -11,10 +11,12 @@ steady time of every candidate is the median of those same rounds. Rounds stop a
 ``max_rounds``, or once ``min_rounds`` are done, ``budget`` seconds have passed and at least
 ``min_steady`` steady rounds are in; never later than ``cap`` seconds. When the cap ends them
 before that, the candidates named in ``settle`` (the optimized copies) go on alone, round by
-round, until they are settled and ``min_steady`` of their rounds are steady, within ``cap``
-seconds more and ``max_rounds`` rounds in all: otherwise the calls of their tie-break, which a
-slow layer's few rounds are made of, would stand for their steady time. Their samples are then
-longer than the others'; the others' steady time is the median of all their rounds.
+round, until they are settled, within ``2 cap`` seconds more and ``max_rounds`` rounds in all:
+otherwise the calls of their tie-break, which a slow layer's few rounds are made of, would stand
+for their steady time. Once settled, every candidate runs ``min_steady`` more rounds side by
+side, and these are the steady rounds of all (the index returned is then ``-min_steady``: the
+optimized copies' samples are longer than the others'). When they do not settle in time, the
+others' steady time is the median of all their rounds.
 """
 import statistics
 import time
@@ -37,6 +39,7 @@ def interleaved(cands, warmup=0, max_rounds=30, min_rounds=3, budget=None, settl
     samples = {k: [] for k in cands}
     steady_from = 0 if settled is None else None
     start = time.perf_counter()
+    capped = False
     for r in range(max_rounds):
         if steady_from is None and settled():
             steady_from = r
@@ -44,34 +47,36 @@ def interleaved(cands, warmup=0, max_rounds=30, min_rounds=3, budget=None, settl
             samples[k].append(measure())
         elapsed = time.perf_counter() - start
         n_steady = 0 if steady_from is None else r + 1 - steady_from
-        if cap is not None and elapsed > cap:
-            break
         if (budget is not None and r + 1 >= min_rounds and elapsed > budget
                 and n_steady >= min(min_steady, r + 1)):
             break
-    if settle and settled is not None and cap is not None:
-        steady_from = _settle_alone({k: cands[k] for k in settle}, samples, steady_from,
-                                    settled, min_steady, max_rounds, cap)
+        if cap is not None and elapsed > cap:
+            capped = n_steady < min(min_steady, r + 1)
+            break
+    if capped and settle and settled is not None:
+        if _settle_alone({k: cands[k] for k in settle}, samples, settled, max_rounds, 2 * cap):
+            for _ in range(min_steady):
+                for k, measure in cands.items():
+                    samples[k].append(measure())
+            steady_from = -min_steady
     return samples, steady_from
 
 
-def _settle_alone(cands, samples, steady_from, settled, min_steady, max_rounds, cap):
-    """Rounds of ``cands`` alone until ``min_steady`` of them are steady (see module doc)."""
+def _settle_alone(cands, samples, settled, max_rounds, cap):
+    """Rounds of ``cands`` alone until they are settled: whether they are (see module doc)."""
     start = time.perf_counter()
     while True:
-        r = len(samples[next(iter(cands))])
-        if steady_from is None and settled():
-            steady_from = r
-        if ((steady_from is not None and r - steady_from >= min_steady) or r >= max_rounds
-                or time.perf_counter() - start > cap):
-            return steady_from
+        if settled():
+            return True
+        if len(samples[next(iter(cands))]) >= max_rounds or time.perf_counter() - start > cap:
+            return False
         for k, measure in cands.items():
             samples[k].append(measure())
 
 
 def steady_median(samples, steady_from):
-    """Median of a candidate's steady rounds; of all its rounds when it has none past
-    ``steady_from`` (a candidate left out of the rounds the optimized copies ran alone)."""
+    """Median of a candidate's steady rounds (``samples[steady_from:]``); of all its rounds when
+    it has none there."""
     steady = samples[steady_from:] if steady_from is not None else samples
     return statistics.median(steady or samples)
 

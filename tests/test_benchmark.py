@@ -260,8 +260,9 @@ def test_float64_reference_tells_a_kink_from_an_error():
 
 def test_rounds_cut_by_the_cap_let_the_optimized_copies_settle():
     """When the time cap ends the rounds while the tie-break still runs, the candidates in
-    ``settle`` go on alone until ``min_steady`` of their rounds are steady; the others keep the
-    rounds they had, and their steady time is the median of all of them."""
+    ``settle`` go on alone until settled; then all run ``min_steady`` more rounds side by side,
+    the steady rounds of every candidate. Never settled: the others' steady time is the median of
+    all their rounds."""
     from bench.rounds import interleaved, summarise
     calls = {"dgl": 0, "granii": 0}
 
@@ -276,14 +277,15 @@ def test_rounds_cut_by_the_cap_let_the_optimized_copies_settle():
     samples, steady = interleaved({"dgl": dgl, "granii": granii}, max_rounds=40, min_rounds=2,
                                   budget=0.0, settled=lambda: calls["granii"] >= 6,
                                   min_steady=3, cap=0.05, settle=["granii"])
-    assert len(samples["dgl"]) == 1                       # the cap ended the shared rounds
-    assert steady == 6 and len(samples["granii"]) == 9     # settled after 6 calls, 3 steady
+    assert len(samples["dgl"]) == 1 + 3        # the cap ended the shared rounds; 3 at the end
+    assert steady == -3 and len(samples["granii"]) == 6 + 3    # settled after 6 calls alone
     med, total = summarise(0.0, samples["granii"], steady, 100)
     assert med == 0.1 and math.isclose(total, 6 * 5.0 + 93 * 0.1)
     assert summarise(0.0, samples["dgl"], steady, 100)[0] == 1.0
-    capped, _ = interleaved({"dgl": dgl, "granii": lambda: 5.0}, max_rounds=12, min_rounds=2,
-                            budget=0.0, settled=lambda: False, cap=0.05, settle=["granii"])
-    assert len(capped["granii"]) == 12                     # never settled: max_rounds bounds it
+    capped, never = interleaved({"dgl": dgl, "granii": lambda: 5.0}, max_rounds=12, min_rounds=2,
+                                budget=0.0, settled=lambda: False, cap=0.05, settle=["granii"])
+    assert len(capped["granii"]) == 12 and len(capped["dgl"]) == 1     # max_rounds bounds it
+    assert never is None
 
 
 def test_single_layer_row_when_the_optimized_copies_settled_alone(tiny, cost_model, monkeypatch):

@@ -19,7 +19,7 @@ The first epoch of each candidate (for granii with ``granii(...)`` on its first 
 apart; then rounds (``rounds.interleaved``) until granii's measured tie-breaks have ended and 3
 rounds are steady (at most ``max_rounds``, within ``budget``; the optimized copies go on alone
 when the cap ends the rounds first). On sampled blocks a tie-break takes turns on successive
-blocks of one sampler configuration, so with 4 batches per epoch it spans the first 3-5 epochs.
+blocks of one sampler configuration, so with 4 batches per epoch it spans the first 3-4 epochs.
 Two figures per candidate: ``*_ms`` is the steady epoch (the median of the steady rounds), and
 ``*_total_ms`` the epoch of a ``RUN_EPOCHS``-epoch training run with its first epochs included:
 the first epoch, the measured ones, and the steady epoch for the rest, divided by ``RUN_EPOCHS``

@@ -383,7 +383,7 @@ HOW = """\
   candidate is timed apart. granii ranks the plans on the first block; the best predicted ones and
   DGL's forward then take turns on the next blocks of the same sampler configuration (forward and
   backward timed, divided by each block's size) and the fastest serves the later blocks. With 4
-  batches per epoch these turns span granii's first 3-5 epochs: rounds go on until they have ended
+  batches per epoch these turns span granii's first 3-4 epochs: rounds go on until they have ended
   and 3 rounds are steady. `speedup (10 epochs)`: per epoch of a 10-epoch run (DGL's sampling
   examples train 10), first epochs included: the first, the measured ones, the steady epoch for
   the rest; `steady`: the epochs after the turns.

@@ -174,10 +174,9 @@ def record(row, names, first, samples, steady_from, n):
         row[f"{name}_total_ms"] = total * 1e3
     row["rounds"] = len(samples["dgl"])
     # optimized copies may have gone on alone until settled (``rounds.interleaved``)
-    mine = len(samples.get("granii", samples["dgl"]))
-    row["alone_rounds"] = mine - len(samples["dgl"])
-    row["steady_rounds"] = (len(samples.get("granii", samples["dgl"])[steady_from:])
-                            if steady_from is not None else 0)
+    mine = samples.get("granii", samples["dgl"])
+    row["alone_rounds"] = len(mine) - len(samples["dgl"])
+    row["steady_rounds"] = len(mine[steady_from:]) if steady_from is not None else 0
 
 
 def _ratios(row):

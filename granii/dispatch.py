@@ -192,8 +192,7 @@ def _dispatch(state, options, layer, args, kwargs, guard):
     decision = per_graph.get(dkey)
     skey = None
     if decision is None and call.gi.is_block and not options.per_batch:
-        skey = sampler_key(call) + mode
-        decision = state.sampled.get(skey)
+        skey, decision = _sampler_decision(state, call, mode)
         if decision is not None:
             state.reused += 1
             per_graph[dkey] = decision
@@ -927,7 +926,7 @@ class Call:
     input_grad: bool
     module: object = None
     input_repeats: bool = False
-    sym_key: tuple = ()                              # sorted symbol items (shared: read-only)
+    sym_key: tuple = ()                  # sorted symbol items but densities (shared: read-only)
 
 
 def prepare(state, module, args, kwargs, reuse_inputs=True):
@@ -1200,15 +1199,38 @@ def run_plan(call, plan, impls):
 _GRAPH_SYMBOLS = ("N", "N_src", "N_dst", "E")
 
 
+SHAPE_SLACK = 0.75      # log2 units: how far a block's shape may lie from a decided one's
+
+
 def sampler_key(call):
     """What identifies a sampler configuration on a block: the call signature, the sizes that
-    are not graph sizes, and log2 of edges per destination and of sources per destination."""
-    s = call.symbols
+    are not graph sizes or densities, and log2 of edges per destination and of sources per
+    destination, rounded."""
+    sizes = tuple(sorted((k, v) for k, v in call.symbols.items()
+                         if k not in _GRAPH_SYMBOLS and not sparse_rows.is_density_symbol(k)))
+    return ("sampled", call.key, sizes, tuple(round(v) for v in _block_shape(call.symbols)))
+
+
+def _block_shape(s):
     n_dst = max(s.get("N_dst", s.get("N", 1)), 1)
-    shape = (round(math.log2(max(s["E"], 1) / n_dst)),
-             round(math.log2(max(s.get("N_src", n_dst), 1) / n_dst)))
-    sizes = tuple(sorted((k, v) for k, v in s.items() if k not in _GRAPH_SYMBOLS))
-    return ("sampled", call.key, sizes, shape)
+    return (math.log2(max(s["E"], 1) / n_dst), math.log2(max(s.get("N_src", n_dst), 1) / n_dst))
+
+
+def _sampler_decision(state, call, mode):
+    """``(key, decision or None)`` of a block's sampler configuration. A block whose shape lies
+    within ``SHAPE_SLACK`` of a configuration already seen takes that one: the blocks of one
+    sampler scatter around their mean, and where the mean lies near a rounding boundary (log2
+    of 1.45 sources per destination, say) they would otherwise fall on both sides of it and
+    start a second tie-break."""
+    key = sampler_key(call) + mode
+    decision = state.sampled.get(key)
+    if decision is None:
+        shape = _block_shape(call.symbols)
+        for other, seen in state.sampled.items():
+            if (other[:3] == key[:3] and other[4:] == key[4:]
+                    and all(abs(a - b) <= SHAPE_SLACK for a, b in zip(other[3], shape))):
+                return other, seen
+    return key, decision
 
 
 def leaf_vals_order(plan):
@@ -1340,7 +1362,8 @@ def _symbols(state, compiled, gi, out, values, module):
             density = sparse_rows.sampled_density(out[var])
             if density is not None:
                 symbols[sparse_rows.density_symbol(var)] = density
-    return symbols, tuple(sorted(symbols.items()))
+    return symbols, tuple(sorted((k, v) for k, v in symbols.items()
+                                 if not sparse_rows.is_density_symbol(k)))
 
 
 def _arg_value(values, name):

@@ -798,3 +798,64 @@ def test_a_trial_on_blocks_times_every_call():
         slow_first.record(label, s)
         slow_first.drop_slow()
     assert [c[0] for c in slow_first.candidates] == ["[b]"]    # slower twice: dropped
+
+
+def _block(n_src, n_dst, per_dst, seed):
+    """A block with ``per_dst`` in-edges on each of ``n_dst`` destinations from ``n_src``
+    sources."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, n_src, (n_dst * per_dst,), generator=gen)
+    dst = torch.arange(n_dst).repeat_interleave(per_dst)
+    return dgl.create_block((src, dst), num_src_nodes=n_src, num_dst_nodes=n_dst)
+
+
+def test_blocks_either_side_of_a_rounding_boundary_share_one_decision():
+    """A sampler's blocks scatter around one shape: 87 or 94 sources for 64 destinations
+    (log2 of the ratio 0.44 and 0.55, on both sides of the 0.5 that rounding splits at) take one
+    sampler decision, not a tie-break each; a block with 4 times the sources gets its own."""
+    torch.manual_seed(0)
+    layer = GraphConv(16, 8, allow_zero_in_degree=True)
+    ref = copy.deepcopy(layer)
+    blocks = [_block(87, 64, 8, 0), _block(94, 64, 8, 1), _block(87, 64, 8, 2),
+              _block(94, 64, 8, 3), _block(256, 64, 8, 4)]
+    granii(layer, blocks[0], torch.randn(87, 16), cost_model=AnalyticalCost())
+    for b in blocks:
+        x = torch.randn(b.num_src_nodes(), 16)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(b, x), ref(b, x), atol=1e-5, rtol=1e-4)
+    state = layer_states(layer)[0]
+    mode = next(k for k in state.sampled if k[3] == (3, 0))[4:]          # the no-grad calls'
+    shapes = sorted(k[3] for k in state.sampled if k[4:] == mode)
+    assert shapes == [(3, 0), (3, 2)], shapes
+    assert state.reused >= 3
+
+
+def test_feature_density_prices_plans_but_does_not_split_sampler_decisions():
+    """Hidden features after ReLU and dropout change density from batch to batch around the
+    sparse-rows limit; each density seen would otherwise start a tie-break of its own. Blocks
+    at 4% and 5% density (3% to 5% in a sample of rows) share the first block's decision, with
+    DGL's outputs."""
+    from granii.kernels import sparse_rows
+    if not sparse_rows.AVAILABLE:
+        pytest.skip("the density is read by the native extension")
+
+    def feats(n, density, seed):
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(n, 64, generator=gen) * (torch.rand(n, 64, generator=gen) < density)
+
+    torch.manual_seed(0)
+    layer = GraphConv(64, 8, allow_zero_in_degree=True)
+    ref = copy.deepcopy(layer)
+    granii(layer, _block(2000, 500, 8, 0), feats(2000, 0.04, 0), cost_model=AnalyticalCost())
+    seen = set()
+    for i, density in enumerate((0.04, 0.05, 0.04, 0.05)):
+        n = 2001 + i                                        # each batch's blocks differ
+        block, x = _block(n, 500, 8, i + 1), feats(n, density, i + 1)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(block, x), ref(block, x), atol=1e-5, rtol=1e-4)
+        seen.add(sparse_rows.sampled_density(x))
+    assert len(seen) > 1 and max(seen) < sparse_rows.LIMIT   # what the dispatcher reads
+    state = layer_states(layer)[0]
+    modes = [k[4:] for k in state.sampled]
+    assert len(modes) == len(set(modes)), list(state.sampled)   # one decision per mode
+    assert state.reused >= 3

@@ -57,6 +57,13 @@ def density_symbol(var):
     return f"density:{var}"
 
 
+def is_density_symbol(name):
+    """A density prices the compositions of a call but does not tell its decisions apart: it
+    varies from call to call (hidden features after ReLU and dropout hover around ``LIMIT``), and
+    every plan is right at every density; the sparse-rows GEMM decides its path at each call."""
+    return name.startswith("density:")
+
+
 def time_ratio(density):
     """Predicted time of ``gemm/native`` over ``gemm/torch`` (forward and weight gradient) when
     ``X`` has this density: ``d / LIMIT``, 1 at and above the limit, at least 0.1. A rough line

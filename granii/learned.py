@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .calibration import cache_dir
 from .costmodel import PRICED_AS, AnalyticalCost
 from .featurize import feature_names, featurize
 from .fingerprint import differences, fingerprint_id, machine_fingerprint
@@ -239,6 +240,19 @@ class Trees:
             raise ValueError("a split reads a feature beyond num_feature")
         self.depth = self._depth()
         self.rows = np.arange(shape[0])[None, :]
+
+    ARRAYS = ("left", "right", "feature", "cond", "default_left")
+
+    @classmethod
+    def from_arrays(cls, arrays):
+        """The ensemble from the arrays ``ARRAYS`` (as kept in the cache) plus ``num_features``
+        and ``depth``."""
+        trees = cls.__new__(cls)
+        for name in cls.ARRAYS:
+            setattr(trees, name, np.asarray(arrays[name]))
+        trees.num_features, trees.depth = int(arrays["num_features"]), int(arrays["depth"])
+        trees.rows = np.arange(trees.left.shape[0])[None, :]
+        return trees
 
     def _depth(self):
         """Levels of the deepest tree: all trees' nodes, one level at a time from the roots."""
@@ -461,7 +475,7 @@ def load(path, fingerprint=None, check=True):
             if not same:
                 raise CostModelError(f"granii: cost-model file {fpath} is damaged (its SHA-256 "
                                      f"differs from the manifest's): re-run {FIX}")
-            models[phase][(prim, impl)] = _LazyTrees(fpath, len(want))
+            models[phase][(prim, impl)] = _LazyTrees(fpath, len(want), entry["sha256"])
         else:                        # folders made before the manifest kept hashes
             models[phase][(prim, impl)] = read_trees(fpath, len(want))
     return LearnedCost(_TreeMap(models["forward"]), manifest, path,
@@ -473,8 +487,14 @@ def file_sha256(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def read_trees(fpath, n_features):
-    """The ``Trees`` of one model file, or ``CostModelError`` naming the file and the fix."""
+def read_trees(fpath, n_features, sha256=None):
+    """The ``Trees`` of one model file, or ``CostModelError`` naming the file and the fix. With
+    the file's ``sha256`` (checked against the manifest), its arrays are read from the cache of
+    parsed models when there, and put there when not: a process then reads a few small binary
+    files instead of parsing megabytes of JSON."""
+    trees = _cached_trees(sha256)
+    if trees is not None and trees.num_features == n_features:
+        return trees
     try:
         trees = Trees(json.loads(Path(fpath).read_text()))
         n_feat = trees.num_features
@@ -486,15 +506,46 @@ def read_trees(fpath, n_features):
     if n_feat != n_features:
         raise CostModelError(f"granii: cost-model file {fpath} expects {n_feat} features, "
                              f"its manifest {n_features}: re-run {FIX}")
+    _cache_trees(sha256, trees)
     return trees
+
+
+def trees_cache(sha256):
+    """The cache file of the parsed model whose JSON has this SHA-256 (under ``GRANII_CACHE``)."""
+    return cache_dir() / "trees" / f"{sha256}.npz"
+
+
+def _cached_trees(sha256):
+    """The cached ``Trees`` of a model file, or ``None`` (no hash, not cached, unreadable)."""
+    if not sha256:
+        return None
+    try:
+        with np.load(trees_cache(sha256)) as arrays:
+            return Trees.from_arrays(arrays)
+    except (OSError, ValueError, KeyError, EOFError):
+        return None           # parsed again from the JSON, and the cache file written anew
+
+
+def _cache_trees(sha256, trees):
+    if not sha256:
+        return
+    path = trees_cache(sha256)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+        np.savez(tmp, num_features=trees.num_features, depth=trees.depth,
+                 **{name: getattr(trees, name) for name in Trees.ARRAYS})
+        os.replace(tmp, path)             # whole or not at all, whatever runs beside
+    except OSError:
+        pass                              # a read-only home: the JSON is parsed each process
 
 
 class _LazyTrees:
     """A model file whose bytes matched the manifest's hash, parsed on first use."""
-    __slots__ = ("path", "n_features")
+    __slots__ = ("path", "n_features", "sha256")
 
-    def __init__(self, path, n_features):
-        self.path, self.n_features = path, n_features
+    def __init__(self, path, n_features, sha256):
+        self.path, self.n_features, self.sha256 = path, n_features, sha256
 
 
 class _TreeMap(dict):
@@ -504,7 +555,7 @@ class _TreeMap(dict):
     def __getitem__(self, key):
         value = super().__getitem__(key)
         if isinstance(value, _LazyTrees):
-            value = read_trees(value.path, value.n_features)
+            value = read_trees(value.path, value.n_features, value.sha256)
             self[key] = value
         return value
 

@@ -136,6 +136,31 @@ def test_model_files_are_checked_at_load_and_parsed_on_first_use(copy_dir):
     assert old.predict("gemm", "torch", _info(), {"m": 500, "k": 64, "n": 32}) == t
 
 
+def test_parsed_models_are_cached_by_hash_and_a_bad_cache_file_is_parsed_again(
+        copy_dir, tmp_path, monkeypatch):
+    """A model file parsed once is kept as arrays under ``GRANII_CACHE``, named by its SHA-256:
+    the next process reads those and never parses the JSON; a damaged cache file is parsed from
+    the JSON again and rewritten; an unwritable cache only costs the parsing."""
+    from granii.learned import trees_cache
+    monkeypatch.setenv("GRANII_CACHE", str(tmp_path / "cache"))
+    sha = json.loads((copy_dir / MANIFEST).read_text())["models"]["gemm/torch"]["sha256"]
+    args = ("gemm", "torch", _info(), {"m": 500, "k": 64, "n": 32})
+    want = load(copy_dir).predict(*args)
+    assert trees_cache(sha).is_file()
+
+    def no_parsing(*a, **k):
+        raise AssertionError("the model file was parsed")
+    with monkeypatch.context() as m:
+        m.setattr(Trees, "__init__", no_parsing)
+        assert load(copy_dir).predict(*args) == want                   # from the cache file
+    trees_cache(sha).write_bytes(b"not an npz file")
+    assert load(copy_dir).predict(*args) == want
+    with np.load(trees_cache(sha)) as arrays:                           # rewritten whole
+        assert set(Trees.ARRAYS) <= set(arrays.files)
+    monkeypatch.setenv("GRANII_CACHE", str(copy_dir / MANIFEST))        # a file, not a folder
+    assert load(copy_dir).predict(*args) == want
+
+
 def test_learns_the_implementation_ratio(model_dir):
     lc = load(model_dir)
     gi = _info()

@@ -19,12 +19,15 @@ of 100 calls: the first, the calls measured, and the steady median for the calls
 eval mode under ``torch.no_grad``.
 
 On new features one more candidate, ``floor``, times in the same rounds the least work every plan
-of these layers does: ``X W`` (``torch.mm`` of new ``N x k_in`` features by a ``k_in x k_out``
-matrix: the weight multiplies all ``N`` rows, before or after the aggregation) plus one unweighted
-sum over the in-edges at width ``min(k_in, k_out)`` (the project's native SpMM, at the machine's
-limit; DGL's ``copy_u_sum`` without the extension): a normalised, weighted or attention-weighted
-aggregation does at least that much. It runs in granii's memory-pool scope, as plans do.
-``ceiling = dgl_ms / floor_ms`` bounds the steady speedup any plan can reach there.
+of the layer does (``floor_work``): ``X W`` (``torch.mm`` of new ``N x k_in`` features by a
+``k_in x c k_out`` matrix, ``c`` the layer's weight blocks: the weights multiply all ``N`` rows,
+before or after the aggregation) plus ``a`` unweighted sums over the in-edges at width
+``min(k_in, k_out)`` (the project's native SpMM, at the machine's limit; DGL's ``copy_u_sum``
+without the extension): a normalised, weighted or attention-weighted aggregation does at least
+that much. ``(c, a)`` is ``(1, 1)`` for GraphConv, GINConv and GATConv, ``(2, 1)`` for SAGEConv
+(``fc_self`` and ``fc_neigh``), ``(1, k)`` for SGConv and ``(k + 1, k)`` for TAGConv (``A^j X``
+for ``j <= k``, each with its own block of the weight). It runs in granii's memory-pool scope, as
+plans do. ``ceiling = dgl_ms / floor_ms`` bounds the steady speedup any plan can reach there.
 
 Correctness, after timing, of the very copies timed: the output on a new tensor and, with the
 same features, on the timed tensor called twice more (the reuse path), against DGL's layer
@@ -36,6 +39,7 @@ import traceback
 
 import dgl
 import torch
+from dgl import nn as dglnn
 from dgl.nn import SGConv
 
 from granii import granii as optimize
@@ -150,7 +154,8 @@ def _time(layer0, g, x, k_out, names, features, budget, max_rounds, seed):
         else:
             fns[name] = lambda layer=layer, fg=fg: timed(_call, layer, fg, x)
     if feats:
-        fns["floor"] = floor_fn(fresh_graph(g), x.shape[1], k_out, feats, seed)
+        fns["floor"] = floor_fn(fresh_graph(g), x.shape[1], k_out, feats, seed,
+                                *floor_work(layer0))
     opt_layers = [layers[k][0] for k in names if k != "dgl"]
     with OthersMeter() as others:
         samples, steady_from = interleaved(
@@ -165,9 +170,22 @@ def _time(layer0, g, x, k_out, names, features, budget, max_rounds, seed):
     return row, layers
 
 
-def floor_fn(g, k_in, k_out, feats, seed):
+def floor_work(layer):
+    """``(c, a)`` of the ``floor`` (module doc): weight blocks of ``k_in x k_out`` every plan
+    multiplies all rows by, and aggregations every plan does."""
+    k = getattr(layer, "_k", 1)
+    if isinstance(layer, dglnn.TAGConv):
+        return k + 1, k
+    if isinstance(layer, dglnn.SGConv):
+        return 1, k
+    if isinstance(layer, dglnn.SAGEConv) and hasattr(layer, "fc_self"):
+        return 2, 1
+    return 1, 1
+
+
+def floor_fn(g, k_in, k_out, feats, seed, blocks=1, aggregations=1):
     """One timed call of the ``floor`` candidate (see module doc) on ``g``."""
-    w = torch.randn(k_in, k_out)
+    w = torch.randn(k_in, blocks * k_out)
     narrow = FreshFeatures((g.num_nodes(), min(k_in, k_out)), seed=seed + 13)
     if native.available():
         gi = graph_info(g)
@@ -179,7 +197,8 @@ def floor_fn(g, k_in, k_out, feats, seed):
     def run(x, h):
         with torch.no_grad():
             x @ w
-            aggregate(h)
+            for _ in range(aggregations):
+                h = aggregate(h)
     # in the memory pool's scope, as granii's plans run: a fresh result of tens of MB would
     # otherwise pay its page faults, as much as the product that fills it
     return lambda: timed(pool.run, (), run, feats.next(), narrow.next())

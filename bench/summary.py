@@ -456,11 +456,13 @@ def write(out, command=""):
         md.append("\n## Single layers: new features each call vs the same features again\n\n"
                   "DGL time / granii time for 100 calls (first call included), geometric mean "
                   "over graphs and sizes; `what reuse adds` is the ratio of the two columns. "
-                  "`ceiling`: DGL's steady time over the least work every plan of these "
-                  "layers does, timed in the same rounds: `X W` (new `N x k_in` features times "
-                  "a `k_in x k_out` matrix) plus one unweighted sum over the in-edges at width "
-                  "`min(k_in, k_out)` (`bench/single.py`); no plan can beat DGL by more; the last "
-                  "column is the steady speedup as a share of it.\n\n")
+                  "`ceiling`: DGL's steady time over the least work every plan of the layer "
+                  "does, timed in the same rounds: `X W` (new `N x k_in` features times a "
+                  "`k_in x c k_out` matrix) plus `a` unweighted sums over the in-edges at width "
+                  "`min(k_in, k_out)`, with `(c, a)` = (2, 1) for SAGEConv's two weights, "
+                  "(3, 2) for TAGConv(k=2), (1, 2) for SGConv(k=2) and (1, 1) for the others "
+                  "(`bench/single.py`); no plan can beat DGL by more; the last column is the "
+                  "steady speedup as a share of it.\n\n")
         md.append(layers_table(layers_df))
         md.append(_noise_line(layers_df, "features", {"new": "new features",
                                                       "same": "same features"}))

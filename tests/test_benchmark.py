@@ -341,3 +341,16 @@ def test_settling_follows_a_tie_break_on_sampled_blocks(cost_model):
         out.sum().backward()
     assert not any(seen[1:4])                    # the turns go on over the first blocks
     assert all(seen[-2:])                        # and end
+
+
+def test_the_floor_counts_every_weight_block_and_aggregation_of_the_layer():
+    """The least work every plan does: SAGEConv multiplies the rows by two weights, TAGConv(k=2)
+    by three blocks after two aggregations, SGConv(k=2) aggregates twice; a floor that counted
+    one product and one sum for them gave ceilings no plan could approach."""
+    from bench.single import floor_work
+    assert floor_work(models.build("gcn", 8, 4)) == (1, 1)
+    assert floor_work(models.build("gin", 8, 4)) == (1, 1)
+    assert floor_work(models.build("gat", 8, 4)) == (1, 1)
+    assert floor_work(models.build("sage", 8, 4)) == (2, 1)
+    assert floor_work(models.build("sgc", 8, 4)) == (1, 2)
+    assert floor_work(models.build("tagcn", 8, 4)) == (3, 2)

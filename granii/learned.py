@@ -300,8 +300,9 @@ class _Lazy:
     """A value computed on first use (``get``): a calibration is only measured when a transferred
     model actually prices a call."""
 
-    def __init__(self, make):
+    def __init__(self, make, analytical=False):
         self.make, self.value, self.done = make, None, False
+        self.analytical = analytical        # makes the analytical model (LearnedCost.fallback)
 
     def get(self):
         if not self.done:
@@ -343,9 +344,20 @@ class LearnedCost:
 
     @property
     def fallback(self):
-        fb = _resolve(self._fallback)
+        fb = self._fallback
+        while isinstance(fb, _Lazy):
+            fb = fb.get()
         self._fallback = fb if fb is not None else AnalyticalCost()
         return self._fallback
+
+    def learned_fallback(self):
+        """The fallback when it is other folders' learned models, else ``None``; the analytical
+        fallback is not built here (building it measures this machine's calibration, a second
+        or so, which a question about learned models should not cost)."""
+        fb = self._fallback
+        if isinstance(fb, _Lazy) and not fb.analytical:
+            fb = self._fallback = fb.get()        # reads other folders' manifests, measures nothing
+        return fb if isinstance(fb, LearnedCost) else None
 
     @property
     def transfer(self):
@@ -614,7 +626,8 @@ def transferred(models, here):
     chain (or that analytical model when ``models`` is empty)."""
     from . import calibration
     chain = _Lazy(lambda: AnalyticalCost(name="analytical (calibrated)",
-                                         **calibration.analytical_rates(here.get()["times"])))
+                                         **calibration.analytical_rates(here.get()["times"])),
+                  analytical=True)
     for m in reversed(models):
         m._transfer = _Lazy(lambda m=m: calibration.Transfer(model_calibration(m),
                                                                here.get()["times"]))
@@ -649,8 +662,8 @@ def default_cost_model(root=None):
         reason = e
     here = _Lazy(lambda: calibration.this_machine(fp))
     if own is not None:         # other setups' models are read only if a pair lacks a model here
-        own._fallback = _Lazy(lambda: _resolve(transferred(
-            foreign_models(root, fp) if root.is_dir() else [], here)))
+        own._fallback = _Lazy(lambda: transferred(
+            foreign_models(root, fp) if root.is_dir() else [], here))
         _LOADED[key] = own
         return own
     foreign = foreign_models(root, fp) if root.is_dir() else []

@@ -248,7 +248,8 @@ def _learned(model, prim, impl, phase):
             return False
         if has(prim, impl, phase):
             return True
-        model = getattr(model, "fallback", None)
+        learned_fallback = getattr(model, "learned_fallback", None)
+        model = learned_fallback() if learned_fallback else getattr(model, "fallback", None)
     return False
 
 

@@ -391,6 +391,26 @@ def test_models_of_this_machine_are_preferred_and_need_no_calibration(copy_dir, 
     assert calls == []
 
 
+def test_asking_whether_a_pair_is_learned_measures_no_calibration(copy_dir, fake_calibration):
+    """Selection asks whether a pair has a learned model anywhere in the chain (this machine's,
+    then other setups'). Answering no must not build the analytical model at the chain's end:
+    that measures this machine's calibration, a second or more on a process's first call. A
+    prediction that does need it still measures it, once."""
+    from granii.select import _learned
+    _, calls = fake_calibration
+    shutil.copytree(copy_dir, copy_dir.parent / "0123456789ab")
+    model = learned.default_cost_model(copy_dir.parent)
+    assert model.path == copy_dir and model.transfer is None
+    assert not _learned(model, "add", "torch", "train")
+    assert not _learned(model, "spmm", "no-such-kernel", "forward")
+    assert _learned(model, "spmm", "dgl", "forward")
+    assert calls == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.predict("spmm", "no-such-kernel", _info(), {"n": 500, "k": 32})
+    assert len(calls) == 1
+
+
 def test_a_pair_without_a_model_falls_back_with_one_warning_naming_it(model_dir, monkeypatch):
     monkeypatch.setattr(learned, "_WARNED", set())
     lc = load(model_dir)

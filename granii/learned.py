@@ -36,6 +36,7 @@ import json
 import math
 import os
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -251,6 +252,9 @@ class Trees:
         for name in cls.ARRAYS:
             setattr(trees, name, np.asarray(arrays[name]))
         trees.num_features, trees.depth = int(arrays["num_features"]), int(arrays["depth"])
+        if (len({getattr(trees, name).shape for name in cls.ARRAYS}) != 1
+                or trees.left.ndim != 2 or trees.feature.max(initial=0) >= trees.num_features):
+            raise ValueError("inconsistent tree arrays")
         trees.rows = np.arange(trees.left.shape[0])[None, :]
         return trees
 
@@ -534,7 +538,7 @@ def _cached_trees(sha256):
     try:
         with np.load(trees_cache(sha256)) as arrays:
             return Trees.from_arrays(arrays)
-    except (OSError, ValueError, KeyError, EOFError):
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         return None           # parsed again from the JSON, and the cache file written anew
 
 

@@ -400,7 +400,7 @@ HOW = """\
   When a configuration's time cap ends the shared rounds before granii's tie-break has settled
   (slow DGL layers get few rounds), granii's copies go on alone until it has (`alone_rounds` in
   `layers.csv`), so the calls of the tie-break do not stand for the later calls in the 100-call
-  total; then every candidate runs three more rounds side by side, and these are the steady
+  total; then every candidate runs five more rounds side by side, and these are the steady
   rounds of all.
 * Joint gain: the time of a copy whose selection may not use the project's own (`native`) kernels
   (composition chosen among DGL's and torch's kernels only) over granii's time with every kernel.

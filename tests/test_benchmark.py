@@ -260,7 +260,7 @@ def test_float64_reference_tells_a_kink_from_an_error():
 
 def test_rounds_cut_by_the_cap_let_the_optimized_copies_settle():
     """When the time cap ends the rounds while the tie-break still runs, the candidates in
-    ``settle`` go on alone until settled; then all run ``min_steady`` more rounds side by side,
+    ``settle`` go on alone until settled; then all run ``after_alone`` more rounds side by side,
     the steady rounds of every candidate. Never settled: the others' steady time is the median of
     all their rounds."""
     from bench.rounds import interleaved, summarise
@@ -276,9 +276,9 @@ def test_rounds_cut_by_the_cap_let_the_optimized_copies_settle():
         return 5.0 if calls["granii"] <= 6 else 0.1     # six calls of tie-break, then the plan
     samples, steady = interleaved({"dgl": dgl, "granii": granii}, max_rounds=40, min_rounds=2,
                                   budget=0.0, settled=lambda: calls["granii"] >= 6,
-                                  min_steady=3, cap=0.05, settle=["granii"])
-    assert len(samples["dgl"]) == 1 + 3        # the cap ended the shared rounds; 3 at the end
-    assert steady == -3 and len(samples["granii"]) == 6 + 3    # settled after 6 calls alone
+                                  min_steady=3, cap=0.05, settle=["granii"], after_alone=5)
+    assert len(samples["dgl"]) == 1 + 5        # the cap ended the shared rounds; 5 at the end
+    assert steady == -5 and len(samples["granii"]) == 6 + 5    # settled after 6 calls alone
     med, total = summarise(0.0, samples["granii"], steady, 100)
     assert med == 0.1 and math.isclose(total, 6 * 5.0 + 93 * 0.1)
     assert summarise(0.0, samples["dgl"], steady, 100)[0] == 1.0

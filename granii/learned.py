@@ -237,10 +237,13 @@ class Trees:
             self.feature[i, :n] = t["split_indices"]
             self.cond[i, :n] = t["split_conditions"]
             self.default_left[i, :n] = np.asarray(t["default_left"], dtype=bool)
-        if self.feature.max(initial=0) >= max(self.num_features, 1):
-            raise ValueError("a split reads a feature beyond num_feature")
+        self._check_splits()
         self.depth = self._depth()
         self.rows = np.arange(shape[0])[None, :]
+
+    def _check_splits(self):
+        if self.feature.max(initial=0) >= max(self.num_features, 1):
+            raise ValueError("a split reads a feature beyond num_feature")
 
     ARRAYS = ("left", "right", "feature", "cond", "default_left")
 
@@ -252,9 +255,9 @@ class Trees:
         for name in cls.ARRAYS:
             setattr(trees, name, np.asarray(arrays[name]))
         trees.num_features, trees.depth = int(arrays["num_features"]), int(arrays["depth"])
-        if (len({getattr(trees, name).shape for name in cls.ARRAYS}) != 1
-                or trees.left.ndim != 2 or trees.feature.max(initial=0) >= trees.num_features):
+        if len({getattr(trees, name).shape for name in cls.ARRAYS}) != 1 or trees.left.ndim != 2:
             raise ValueError("inconsistent tree arrays")
+        trees._check_splits()
         trees.rows = np.arange(trees.left.shape[0])[None, :]
         return trees
 

@@ -318,7 +318,10 @@ class _Lazy:
 
 
 def _resolve(x):
-    return x.get() if isinstance(x, _Lazy) else x
+    """``x``, or what it makes when it is a ``_Lazy`` (which may make another ``_Lazy``)."""
+    while isinstance(x, _Lazy):
+        x = x.get()
+    return x
 
 
 class LearnedCost:
@@ -351,9 +354,7 @@ class LearnedCost:
 
     @property
     def fallback(self):
-        fb = self._fallback
-        while isinstance(fb, _Lazy):
-            fb = fb.get()
+        fb = _resolve(self._fallback)
         self._fallback = fb if fb is not None else AnalyticalCost()
         return self._fallback
 

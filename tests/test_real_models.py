@@ -467,6 +467,86 @@ def test_sampled_graphsage_training_matches_dgl():
         eval_side_by_side(run, model, ref, what=f"sampled batch {i}:")
 
 
+# -- calls users make beyond (graph, features) -------------------------------------------------------
+def assert_ran_plans(model):
+    """Every layer of a kind granii optimizes ran its own plans on its last call."""
+    from granii.api import layer_states
+    states = [st for st in layer_states(model) if of_optimized_kind(st.module)]
+    assert states
+    for st in states:
+        assert st.fallback is None and st.calls > 0, (st.name, st.fallback, st.calls)
+
+
+def test_gat_returning_its_attention_runs_dgls_forward_for_those_calls_only():
+    """``GATConv(...)(g, x, get_attention=True)`` returns (output, attention): no plan returns the
+    attention, so those calls run DGL's forward (the fallback says why) and give DGL's results;
+    the layer's plain calls go on running granii's plans."""
+    from granii.api import layer_states
+    g = undirected()
+    x = features(g, 12)
+    torch.manual_seed(0)
+    layer = dgl.nn.GATConv(12, 6, 4, feat_drop=0.2, attn_drop=0.3, residual=True)
+    ref = copy.deepcopy(layer)
+    granii(layer, g, x)
+    state = layer_states(layer)[0]
+
+    def with_attention(m, w):
+        out, attn = m(g, x, get_attention=True)
+        assert attn.shape == (g.num_edges(), 4, 1)
+        return torch.cat([out.flatten(), attn.flatten()])
+    train_side_by_side(with_attention, layer, ref)
+    assert "tuple" in state.fallback
+    plain = lambda m, w: m(g, x)
+    train_side_by_side(plain, layer, ref)
+    eval_side_by_side(plain, layer, ref)
+    assert_ran_plans(layer)
+
+
+def test_graphconv_with_a_weight_passed_at_the_call_matches_dgl():
+    """``GraphConv(..., weight=False)`` multiplied by the ``weight`` given at each call (e.g. a
+    hypernetwork's output): its gradient reaches whatever made it."""
+    g = directed()
+    x = features(g, 12)
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"conv": dgl.nn.GraphConv(12, 5, weight=False, norm="both",
+                                                    allow_zero_in_degree=True),
+                           "make": nn.Linear(1, 12 * 5)})
+    ref = copy.deepcopy(model)
+
+    def forward(m, w=None):
+        return m["conv"](g, x, weight=m["make"](torch.ones(1, 1)).view(12, 5))
+    granii(model["conv"], g, x, extra_kwargs={"weight": torch.randn(12, 5)})
+    train_side_by_side(forward, model, ref)
+    eval_side_by_side(forward, model, ref)
+    assert_ran_plans(model)
+
+
+def test_batched_graphs_with_a_readout_match_dgl():
+    """A graph classifier: ``dgl.batch`` of graphs of different sizes, two layers, sum readout."""
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = dgl.nn.GraphConv(12, 8, activation=torch.relu)
+            self.conv2 = dgl.nn.SAGEConv(8, 8, "mean")
+            self.drop = nn.Dropout(0.3)
+            self.readout = dgl.nn.SumPooling()
+            self.out = nn.Linear(8, 3)
+
+        def forward(self, g, x):
+            return self.out(self.readout(g, self.conv2(g, self.drop(self.conv1(g, x)))))
+
+    g = dgl.batch([undirected(40, 150), undirected(70, 300), undirected(25, 80)])
+    x = features(g, 12)
+    torch.manual_seed(0)
+    model = Classifier()
+    ref = copy.deepcopy(model)
+    granii(model, g, x)
+    run = lambda m, w: m(g, x)
+    train_side_by_side(run, model, ref)
+    eval_side_by_side(run, model, ref)
+    assert_ran_plans(model)
+
+
 # -- falling back is not the way to pass --------------------------------------------------------------
 def test_most_layers_of_the_optimized_kinds_run_an_optimized_plan():
     """At least 90% of the layers granii optimizes run an optimized plan in training and in eval;

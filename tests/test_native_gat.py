@@ -193,9 +193,9 @@ def _impl(name):
 
 # -- gat_aggregate against the dense reference ---------------------------------------------------------
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("heads,width,weighted", [(1, 8, False), (1, 32, True), (8, 8, False), (8, 8, True),
-                                                  (4, 16, True), (3, 5, True), (8, 8, "head"),
-                                                  (3, 5, "head")])
+@pytest.mark.parametrize("heads,width,weighted", [(1, 8, False), (1, 32, True), (8, 8, False),
+                                                  (8, 8, True), (4, 16, True), (3, 5, True),
+                                                  (8, 8, "head"), (3, 5, "head")])
 def test_gat_aggregate_float32(graph, impl, heads, width, weighted):
     _compare(_impl(impl), graph, heads, width, torch.float32, weighted)
 
@@ -207,7 +207,8 @@ def test_gat_aggregate_float64(graph, impl, heads, width):
 
 
 @needs_native
-@pytest.mark.parametrize("heads,width", [(4, 256), (16, 4), (8, 16), (2, 64), (5, 40), (1, 32), (1, 128)])
+@pytest.mark.parametrize("heads,width", [(4, 256), (16, 4), (8, 16), (2, 64), (5, 40), (1, 32),
+                                         (1, 128)])
 @pytest.mark.parametrize("weighted", [True, "head"])
 def test_native_widths(heads, width, weighted):
     """Each inner-loop variant: wide tiles, narrow heads (H in {4, 8, 16}, F <= 16), one head,

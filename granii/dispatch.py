@@ -1206,8 +1206,7 @@ def sampler_key(call):
     """What identifies a sampler configuration on a block: the call signature, the sizes that
     are not graph sizes or densities, and log2 of edges per destination and of sources per
     destination, rounded."""
-    sizes = tuple(sorted((k, v) for k, v in call.symbols.items()
-                         if k not in _GRAPH_SYMBOLS and not sparse_rows.is_density_symbol(k)))
+    sizes = tuple((k, v) for k, v in call.sym_key if k not in _GRAPH_SYMBOLS)
     return ("sampled", call.key, sizes, tuple(round(v) for v in _block_shape(call.symbols)))
 
 

@@ -2,8 +2,9 @@
 
 ``granii`` finds the GNN layers of ``model`` (modules whose class's ``forward`` takes a graph first
 and that hold no such layer themselves) and sets a ``dispatch.Dispatcher`` as the ``forward`` of
-each instance. With ``inspect_now`` it runs the model once on ``(graph, feats)`` without gradients
-so every layer compiles and decides for this input now; that run leaves the model as it found it
+each instance. With ``inspect_now`` it runs the model once on ``(graph, feats)`` as its next calls
+will run (a training step's forward in training mode, without gradients otherwise), so every layer
+compiles and decides for this input now; that run leaves the model as it found it
 (parameters, buffers, attributes, training flags and the random number generator).
 """
 import inspect
@@ -12,7 +13,8 @@ import os
 
 import torch
 
-from .dispatch import Dispatcher, Options, dispatcher_of, layer_states, leaf_vals_order, prepare
+from .dispatch import (Dispatcher, Options, dispatcher_of, inspecting, layer_states,
+                       leaf_vals_order, prepare)
 from .explain import explain
 from .kernels import pool
 from .plan import plan_code
@@ -47,8 +49,12 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     for this machine, or the analytical model when there are none. ``expected_calls``: how many
     calls once-per-graph work is amortised over when choosing (a sampled block is used once, so
     on blocks it is 1). With ``inspect_now`` the model runs once on ``(graph, feats)`` (or on
-    ``feats`` alone when its forward takes only the features and holds the graph) without
-    gradients, so each layer decides for this input now; the model is left as it was found.
+    ``feats`` alone when its forward takes only the features and holds the graph), so each
+    layer decides for this input now; the model is left as it was found. It runs as the calls
+    that follow will: with gradients when the model is in training mode (``model.train()``, the
+    default of a new module) and gradients are on, so training steps use the decisions it made;
+    call ``model.eval()`` first (or ``granii`` under ``torch.no_grad()``) when inference
+    follows.
 
     ``extra_args``, ``extra_kwargs``: more arguments of the model's forward for that run
     (``model(graph, feats, *extra_args, **extra_kwargs)``), e.g. edge weights.
@@ -120,10 +126,19 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
 
 
 def _inspect(model, graph, feats, extra_args=(), extra_kwargs=None):
-    """Run ``model`` once on the input without gradients, leaving it exactly as it was."""
+    """Run ``model`` once on the input as its next calls will run, leaving it exactly as it was.
+
+    A model in training mode with parameters that need gradients, while gradients are on, runs
+    with gradients (and no backward): its layers then decide for the training calls that
+    follow, not for a call without gradients no training step makes. Otherwise it runs
+    without gradients. See ``dispatch.inspecting`` for what the run does not count."""
     saved = _snapshot(model)
+    train = (model.training and torch.is_grad_enabled()
+             and any(p.requires_grad for p in model.parameters()))
+    parts = graph if isinstance(graph, (list, tuple)) else [graph]
+    blocks = bool(parts) and all(getattr(b, "is_block", False) for b in parts)
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(train), inspecting(model, blocks):
             if _takes_features_only(model) and not extra_args:
                 model(feats, **(extra_kwargs or {}))
             else:

@@ -25,6 +25,7 @@ up on the instance that runs it, so copies, pickles and two models in one proces
 own. Anything the offline stage cannot handle, for any reason, runs the original forward and the
 reason is kept for ``explain``.
 """
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -726,6 +727,28 @@ def _tuning(options, call):
             and not torch.are_deterministic_algorithms_enabled())
 
 
+_INSPECTING = [False]
+
+
+@contextlib.contextmanager
+def inspecting(model, blocks):
+    """While ``granii(...)`` runs ``model`` once to decide: each layer decides as on any call,
+    but a measured tie-break runs its predicted best untimed (no backward follows this run, so
+    its time would not be a training call's). On sampled ``blocks`` no layer then counts the
+    features of that run as seen: the next call is the first batch's training step, on the
+    same features, and should take the decision made for the new features of the later batches.
+    On a whole graph the next call on the same features is a repeat, as the calls after it."""
+    previous = _INSPECTING[0]
+    _INSPECTING[0] = True
+    try:
+        yield
+    finally:
+        _INSPECTING[0] = previous
+        if blocks:
+            for st in layer_states(model):
+                st.last_input = None
+
+
 @dataclass
 class Trial:
     """A measured tie-break (like cuDNN's benchmark mode): the best predicted plan, the next one
@@ -763,12 +786,23 @@ class Trial:
     dropped: list = field(default_factory=list)   # candidates ``drop_slow`` took out
 
     def next(self):
+        if _INSPECTING[0]:           # ``granii(...)``'s own run is no turn: the predicted best
+            return self.candidates[0]
         c = self.candidates[self.turn % len(self.candidates)]
         self.turn += 1
         return c
 
     def record(self, label, seconds):
-        self.times.setdefault(label, []).append(seconds)
+        if not _INSPECTING[0]:
+            self.times.setdefault(label, []).append(seconds)
+
+    def await_backward(self, label, seconds, clock):
+        """Record this call (``seconds`` of forward) when its backward has run (``collect``);
+        not the calls of ``granii(...)``'s own run, which no backward follows."""
+        if _INSPECTING[0]:
+            clock.remove()
+        else:
+            self.pending.append((label, seconds, clock))
 
     def collect(self):
         """Record the calls whose backward was awaited: forward + backward seconds (the
@@ -850,7 +884,7 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
     if clock is None:
         trial.record(label, seconds)
     else:                       # in training the backward counts too: recorded on the next call
-        trial.pending.append((label, seconds, clock))
+        trial.await_backward(label, seconds, clock)
     if dkey in state.failed:                  # a candidate raised: the others go on
         del state.failed[dkey]
         trial.candidates = [c for c in trial.candidates if c[0] != label]

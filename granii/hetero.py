@@ -908,7 +908,7 @@ def hetero_call(state, options, layer, g, inputs, mod_args, mod_kwargs):
     if clock is None:
         trial.record(label, seconds)
     else:
-        trial.pending.append((label, seconds, clock))
+        trial.await_backward(label, seconds, clock)
     if trial.done():
         trial.close()
         state.kept = trial.winner()[0]

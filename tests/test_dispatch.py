@@ -589,6 +589,74 @@ def test_trial_on_sampled_blocks_settles_and_keeps_dgls_results():
         assert st.reused > 0
 
 
+class DropBlockModel(BlockModel):
+    def forward(self, blocks, x):
+        h = nn.functional.dropout(self.a(blocks[0], x), 0.5, self.training)
+        return self.b(blocks[1], h)
+
+
+def _count_decisions(monkeypatch):
+    """Record ``(training, input_repeats)`` of every call that ranks plans."""
+    from granii import dispatch
+    made, decide = [], dispatch._decide
+
+    def counted(state, options, call):
+        made.append((call.training, call.input_repeats))
+        return decide(state, options, call)
+    monkeypatch.setattr(dispatch, "_decide", counted)
+    return made
+
+
+def test_inspection_on_blocks_decides_for_the_training_steps(monkeypatch):
+    """``granii(model, blocks, x)`` on a model in training mode decides in its own run what the
+    training steps use: with gradients, for features not seen before. The first step (the same
+    batch, the same features) and the later batches decide nothing more, the run took no turn
+    of a tie-break, and every step gives DGL's outputs and gradients, dropout included."""
+    made = _count_decisions(monkeypatch)
+    g, batches = _blocks(4)
+    x_all = torch.randn(g.num_nodes(), 12)
+    torch.manual_seed(0)
+    ref = DropBlockModel()
+    model = copy.deepcopy(ref)
+    inp0, blocks0 = batches[0]
+    granii(model, blocks0, x_all[inp0], cost_model=AnalyticalCost())
+    assert made == [(True, False), (True, False)]
+    for st in layer_states(model):
+        trials = [d for d in st.sampled.values() if hasattr(d, "candidates")]
+        assert trials and all(t.turn == 0 and not t.times and not t.pending for t in trials)
+    for i, (inp, blocks) in enumerate(batches):
+        x = x_all[inp]
+        torch.manual_seed(i)
+        out = model(blocks, x)
+        torch.manual_seed(i)
+        want = ref(blocks, x)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+            p.grad, q.grad = None, None
+    assert len(made) == 2
+
+
+def test_inspection_decides_without_gradients_for_inference(monkeypatch):
+    """In eval mode, or under ``torch.no_grad()``, the run decides for calls without gradients,
+    and an inference call after it decides nothing more."""
+    made = _count_decisions(monkeypatch)
+    g, batches = _blocks(1)
+    x = torch.randn(g.num_nodes(), 12)
+    inp, blocks = batches[0]
+    model = DropBlockModel().eval()
+    granii(model, blocks, x[inp], cost_model=AnalyticalCost())
+    trained = DropBlockModel()
+    with torch.no_grad():
+        granii(trained, blocks, x[inp], cost_model=AnalyticalCost())
+    assert made == [(False, False)] * 4
+    with torch.no_grad():
+        model(blocks, x[inp])
+    assert len(made) == 4
+
+
 def test_backward_clock_times_a_layers_backward_and_lets_go():
     """In training a trial call is timed forward + backward: the clock starts when the output's
     gradient arrives and stops at the last gradient of the layer's inputs and parameters."""
@@ -733,7 +801,8 @@ def test_gin_trial_runs_an_implementation_variant_and_keeps_dgls_results():
     ref = GINConv(nn.Linear(16, 16), "sum")
     layer = copy.deepcopy(ref)
     x = torch.randn(400, 16)
-    granii(layer, g, x, cost_model=AnalyticalCost())     # prices the SpMM kernels alike
+    with torch.no_grad():            # inference follows: decide without gradients
+        granii(layer, g, x, cost_model=AnalyticalCost())     # prices the SpMM kernels alike
     for i in range(20):
         xi = torch.randn(400, 16)
         with torch.no_grad():
@@ -818,7 +887,8 @@ def test_blocks_either_side_of_a_rounding_boundary_share_one_decision():
     ref = copy.deepcopy(layer)
     blocks = [_block(87, 64, 8, 0), _block(94, 64, 8, 1), _block(87, 64, 8, 2),
               _block(94, 64, 8, 3), _block(256, 64, 8, 4)]
-    granii(layer, blocks[0], torch.randn(87, 16), cost_model=AnalyticalCost())
+    with torch.no_grad():
+        granii(layer, blocks[0], torch.randn(87, 16), cost_model=AnalyticalCost())
     for b in blocks:
         x = torch.randn(b.num_src_nodes(), 16)
         with torch.no_grad():

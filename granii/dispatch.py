@@ -628,6 +628,7 @@ def _any_requires_grad(module):
 ORIGINAL = "original forward"
 TRIAL_ROUNDS = 3         # timed calls per candidate, after one untimed call each
 TRIAL_DROP = 1.5         # a candidate whose fastest timed call is this much slower is dropped
+TRIAL_DROP_ONE = 2.0     # ... on sampled blocks, while each candidate has one timed call
 TRIAL_FIRST_DROP = 4.0   # ... or whose untimed first call is this much slower than a timed one
 TRIAL_FIRST_EXCESS = 0.1  # ... and by this many seconds (more than a first call's warm-up)
 ORIGINAL_MARGIN = 0.05   # a plan is kept over the layer's own forward when this much faster
@@ -762,7 +763,8 @@ class Trial:
     own layer as measured. A candidate whose fastest timed call is more than ``TRIAL_DROP``
     times the fastest timed call of another leaves the trial at once (``drop_slow``): a plan
     priced far too low (a per-head plan predicted at 43 ms ran 160 ms in training on a PubMed
-    block) then costs two calls, not four. One whose untimed first call alone exceeds
+    block) then costs two calls, not four (on sampled blocks, one when ``TRIAL_DROP_ONE`` times
+    slower). One whose untimed first call alone exceeds
     ``TRIAL_FIRST_DROP`` times another's fastest timed call, and by ``TRIAL_FIRST_EXCESS``
     seconds, leaves before its timed call: DGL's GATConv on GitHub at 32 -> 512, 400 ms a call
     beside a 20 ms plan, then runs once, not twice. The margins leave room for a first call's
@@ -830,9 +832,11 @@ class Trial:
         """Take out the candidates whose fastest timed call (after the untimed first, if any)
         exceeds ``TRIAL_DROP`` times another's fastest, once each has two calls; before that, those
         whose untimed first call exceeds ``TRIAL_FIRST_DROP`` times another's fastest timed
-        call and by ``TRIAL_FIRST_EXCESS`` seconds."""
+        call and by ``TRIAL_FIRST_EXCESS`` seconds. On sampled blocks (no untimed call) a
+        candidate leaves after its first call when that is over ``TRIAL_DROP_ONE`` times
+        another's: one time each, on blocks of their own, asks for the wider margin."""
         best = {c[0]: min(self.times[c[0]][self.warm:]) for c in self.candidates
-                if len(self.times.get(c[0], ())) > 1}
+                if len(self.times.get(c[0], ())) > self.warm}
         if not best:
             return
         slow = []
@@ -844,7 +848,9 @@ class Trial:
                 slow.append(c)
         if len(best) == len(self.candidates) and len(best) >= 2:
             floor = min(best.values())
-            slow += [c for c in self.candidates if best[c[0]] > TRIAL_DROP * floor]
+            once = self.warm == 0 and any(len(self.times[c[0]]) == 1 for c in self.candidates)
+            factor = TRIAL_DROP_ONE if once else TRIAL_DROP
+            slow += [c for c in self.candidates if best[c[0]] > factor * floor]
         self.dropped += slow
         self.candidates = [c for c in self.candidates if c not in slow]
 

@@ -714,6 +714,27 @@ def test_trial_drops_a_candidate_far_slower_after_one_timed_call():
     assert [c[0] for c in t.candidates] == ["[a]", ORIGINAL]
 
 
+def test_trial_on_blocks_drops_a_candidate_after_one_call_only_when_far_slower():
+    """On sampled blocks every call is timed: after one call each, a candidate over
+    ``TRIAL_DROP_ONE`` times the fastest leaves, one within it stays for its second call, and
+    then ``TRIAL_DROP`` applies."""
+    from granii.dispatch import ORIGINAL, TRIAL_DROP, TRIAL_DROP_ONE, Trial
+    t = Trial([("[a]", None, None), ("[b]", None, None), (ORIGINAL, None, None)], warm=0)
+    t.record("[a]", 1.0)
+    t.record(ORIGINAL, 1.1 * TRIAL_DROP_ONE)
+    t.drop_slow()
+    assert len(t.candidates) == 3                   # [b] has no call yet
+    t.record("[b]", 0.5 * (TRIAL_DROP + TRIAL_DROP_ONE))
+    t.drop_slow()
+    assert [c[0] for c in t.candidates] == ["[a]", "[b]"]
+    t.record("[a]", 1.0)
+    t.drop_slow()
+    assert [c[0] for c in t.candidates] == ["[a]", "[b]"]   # [b] still has one call
+    t.record("[b]", 0.5 * (TRIAL_DROP + TRIAL_DROP_ONE))
+    t.drop_slow()
+    assert [c[0] for c in t.candidates] == ["[a]"]
+
+
 def test_trial_drops_a_candidate_whose_first_call_is_far_slower():
     """Before its timed call, a candidate whose untimed first call exceeds ``TRIAL_FIRST_DROP``
     times another's fastest timed call, and by ``TRIAL_FIRST_EXCESS`` seconds, leaves; within

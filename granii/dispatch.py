@@ -628,7 +628,7 @@ def _any_requires_grad(module):
 ORIGINAL = "original forward"
 TRIAL_ROUNDS = 3         # timed calls per candidate, after one untimed call each
 TRIAL_DROP = 1.5         # a candidate whose fastest timed call is this much slower is dropped
-TRIAL_DROP_ONE = 2.0     # ... on sampled blocks, while each candidate has one timed call
+TRIAL_DROP_ONE = 2.0     # ... on sampled blocks, while a candidate has only one timed call
 TRIAL_FIRST_DROP = 4.0   # ... or whose untimed first call is this much slower than a timed one
 TRIAL_FIRST_EXCESS = 0.1  # ... and by this many seconds (more than a first call's warm-up)
 ORIGINAL_MARGIN = 0.05   # a plan is kept over the layer's own forward when this much faster

@@ -639,6 +639,45 @@ def test_inspection_on_blocks_decides_for_the_training_steps(monkeypatch):
     assert len(made) == 2
 
 
+def test_inspection_on_a_whole_graph_leaves_no_timing_hook_and_dgls_training(monkeypatch):
+    """On a whole graph the run decides for training too; a later call on the same features is
+    a repeat (decided for that), no tie-break hook stays on a parameter after the run, and the
+    training steps give DGL's outputs and gradients."""
+    made = _count_decisions(monkeypatch)
+    dgl.seed(0)
+    g = dgl.add_self_loop(dgl.rand_graph(300, 2000))
+    x = torch.randn(300, 12)
+    torch.manual_seed(0)
+    ref = nn.ModuleDict({"a": GraphConv(12, 16), "b": GraphConv(16, 4)})
+
+    class Two(nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, g, x):
+            h = nn.functional.dropout(torch.relu(self.layers["a"](g, x)), 0.5, self.training)
+            return self.layers["b"](g, h)
+    model, want_model = Two(copy.deepcopy(ref)), Two(ref)
+    granii(model, g, x, cost_model=AnalyticalCost())
+    assert made == [(True, False), (True, False)]
+    assert all(not p._backward_hooks for p in model.parameters())
+    for i in range(3):
+        torch.manual_seed(i)
+        out = model(g, x)
+        torch.manual_seed(i)
+        want = want_model(g, x)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), want_model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+            p.grad, q.grad = None, None
+    # the first layer's features come back: decided once more, as a repeat; the second's are
+    # new at each step and take the run's decision
+    assert made[2:] == [(True, True)]
+
+
 def test_inspection_decides_without_gradients_for_inference(monkeypatch):
     """In eval mode, or under ``torch.no_grad()``, the run decides for calls without gradients,
     and an inference call after it decides nothing more."""

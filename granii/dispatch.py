@@ -150,10 +150,24 @@ def original_forward(layer, args, kwargs):
 
 
 # -- one call ----------------------------------------------------------------------------------------
+AUTOCAST = ("autocast is on: DGL's layer and torch's autocast rules decide the dtype of each "
+            "step (and of the output), which granii's plans do not follow")
+
+
+def autocast_on():
+    """Whether the call runs in an autocast region (CPU or CUDA): then the original forward runs
+    (``AUTOCAST``). DGL's GraphConv, for one, returns float32 there from a bfloat16 product
+    plus its float32 bias."""
+    return torch.is_autocast_cpu_enabled() or torch.is_autocast_enabled()
+
+
 def dispatch(state, options, layer, args, kwargs):
     if state is None:            # unpickled: the state is made on the first call
         disp = layer.__dict__["forward"]
         state = disp.state = new_state(layer, disp._name)
+    if autocast_on():
+        state.fallback = AUTOCAST
+        return original_forward(layer, args, kwargs)
     guard = call_guard(layer, args, kwargs)
     if guard is not None:
         hit = _fast_hit(state, options, layer, guard, args, kwargs)

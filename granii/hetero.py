@@ -69,7 +69,8 @@ import weakref
 
 import torch
 
-from .dispatch import ORIGINAL, TRIAL_MARGIN, BackwardClock, Dispatcher, Trial, dispatcher_of
+from .dispatch import (AUTOCAST, ORIGINAL, TRIAL_MARGIN, BackwardClock, Dispatcher, Trial,
+                       autocast_on, dispatcher_of)
 from .graph import _physical_memory, graph_info
 from .kernels import pool, typed
 
@@ -538,6 +539,9 @@ class TypedDispatcher(Dispatcher):
         if self.state is None:
             self.state = self.state_type(getattr(self, "_name", type(self.layer).__name__),
                                          self.layer)
+        if autocast_on():
+            self.state.fallback = AUTOCAST
+            return type(self.layer).forward(self.layer, *args, **kwargs)
         return pool.run(args, type(self).run, self.state, self.options, self.layer, args, kwargs)
 
     def __deepcopy__(self, memo):
@@ -849,6 +853,9 @@ class HeteroDispatcher(Dispatcher):
     def __call__(self, g, inputs, mod_args=None, mod_kwargs=None):
         if self.state is None:
             self.state = HeteroState(getattr(self, "_name", type(self.layer).__name__), self.layer)
+        if autocast_on():
+            self.state.fallback = AUTOCAST
+            return type(self.layer).forward(self.layer, g, inputs, mod_args, mod_kwargs)
         feats = tuple(inputs.values()) if isinstance(inputs, dict) else (inputs,)
         return pool.run(feats, hetero_call, self.state, self.options, self.layer, g, inputs,
                         mod_args, mod_kwargs)

@@ -502,6 +502,45 @@ def test_gat_returning_its_attention_runs_dgls_forward_for_those_calls_only():
     assert_ran_plans(layer)
 
 
+def test_autocast_calls_run_dgls_forward_and_the_plans_run_again_after():
+    """Under ``torch.autocast`` DGL's layers take each step's dtype from autocast's rules and
+    their own code (GraphConv returns float32: a bfloat16 product plus its float32 bias): those
+    calls run DGL's forward, with DGL's outputs, dtypes and gradients, and the fallback says
+    why; outside autocast the layers run granii's plans again."""
+    from granii.api import layer_states
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = dgl.nn.GraphConv(12, 8, activation=torch.relu)
+            self.b = dgl.nn.SAGEConv(8, 4, "mean")
+
+        def forward(self, g, x):
+            return self.b(g, self.a(g, x))
+    g = undirected()
+    x = features(g, 12)
+    torch.manual_seed(0)
+    model = Two()
+    ref = copy.deepcopy(model)
+    granii(model, g, x)
+    dtypes = []
+
+    def mixed(m, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = m.a(g, x)
+            out = m.b(g, hidden)
+        dtypes.append((hidden.dtype, out.dtype))
+        return out.float()
+    train_side_by_side(mixed, model, ref)
+    eval_side_by_side(mixed, model, ref)
+    assert dtypes[0] == (torch.float32, torch.bfloat16)          # DGL's own
+    assert all(d == dtypes[0] for d in dtypes)
+    assert all("autocast" in st.fallback for st in layer_states(model))
+    plain = lambda m, w: m(g, x)
+    train_side_by_side(plain, model, ref)
+    assert_ran_plans(model)
+
+
 def test_graphconv_with_a_weight_passed_at_the_call_matches_dgl():
     """``GraphConv(..., weight=False)`` multiplied by the ``weight`` given at each call (e.g. a
     hypernetwork's output): its gradient reaches whatever made it."""

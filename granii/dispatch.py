@@ -36,6 +36,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 
 from .enumerate import TooManyTrees, binary_orders, layer_forest
 from .fuse import fused_variants
@@ -92,6 +93,8 @@ class LayerState:
     fallback: str = None
     calls: int = 0
     last_input: tuple = None                         # identity of the last features
+    forward_run: tuple = None                        # (call key, label, fn, order) last run
+                                                     # outside a backward (``_recompute``)
     sampled: dict = field(default_factory=dict)      # sampler-configuration key -> decision
     reused: int = 0                                  # block calls that reused such a decision
     failed: dict = field(default_factory=dict)       # decision key -> reason a plan raised
@@ -169,7 +172,7 @@ def dispatch(state, options, layer, args, kwargs):
         state.fallback = AUTOCAST
         return original_forward(layer, args, kwargs)
     guard = call_guard(layer, args, kwargs)
-    if guard is not None:
+    if guard is not None and torch._C._current_graph_task_id() < 0:
         hit = _fast_hit(state, options, layer, guard, args, kwargs)
         if hit is not None:
             return _fast_run(state, options, layer, hit, args, kwargs)
@@ -195,6 +198,8 @@ def _dispatch(state, options, layer, args, kwargs, guard):
         if isinstance(variant, Exception) and getattr(variant, "spec", None) == []:
             state.fallbacks[shape] = variant     # the same reason holds for every such call
         return original_forward(layer, args, kwargs)
+    if torch._C._current_graph_task_id() >= 0:
+        return _recompute(state, call, layer, args, kwargs)
     mode = (call.training, call.input_grad, call.input_repeats, torch.get_num_threads(),
             torch.are_deterministic_algorithms_enabled())
     per_graph = state.decisions.get(call.gi)
@@ -227,8 +232,34 @@ def _dispatch(state, options, layer, args, kwargs, guard):
     return out
 
 
+# raised through a plan by torch's own machinery, not by the plan: the non-reentrant activation
+# checkpoint ends its recomputation with one once it has the tensors the backward needs
+_NOT_THE_PLANS = tuple(c for c in (getattr(torch.utils.checkpoint, "_StopRecomputationError",
+                                           None),) if c is not None)
+
+
+def recompute_key(call):
+    """What a recomputation must share with the call it repeats (``_recompute``)."""
+    return (call.key, call.sym_key, call.training)
+
+
+def _recompute(state, call, layer, args, kwargs):
+    """A call made during a backward pass: activation checkpointing (``torch.utils.checkpoint``)
+    running a forward call again. The non-reentrant kind checks that it saves the tensors the
+    first run saved, so it runs what the layer's last call outside a backward ran (a plan or
+    the original forward, with no tie-break turn) when it is that call's kind; otherwise the
+    original forward."""
+    run = state.forward_run
+    if run is None or run[2] is None or run[0] != recompute_key(call):
+        return original_forward(layer, args, kwargs)
+    _, label, fn, order = run
+    state.calls += 1
+    return fn(call.gi, layer, *(call.leaf_vals[v] for v in order))
+
+
 def _run(state, dkey, label, fn, order, call, layer, args, kwargs):
     """Run one decision: a compiled plan, or the original forward (``fn`` is ``None``)."""
+    state.forward_run = (recompute_key(call), label, fn, order)
     if fn is None:
         state.fallback = None
         state.calls += 1
@@ -243,10 +274,13 @@ def _run(state, dkey, label, fn, order, call, layer, args, kwargs):
     rng = torch.get_rng_state()
     try:
         out = fn(call.gi, layer, *(call.leaf_vals[v] for v in order))
+    except _NOT_THE_PLANS:
+        raise
     except Exception as e:       # noqa: BLE001 - a plan that raises is never used again
         torch.set_rng_state(rng)
         reason = f"plan {label} raised {type(e).__name__}: {e}"
         state.failed[dkey] = reason
+        state.forward_run = (recompute_key(call), ORIGINAL, None, None)
         warnings.warn(f"granii: layer '{state.name}': {reason}; running the original forward "
                       "from now on for this input", RuntimeWarning)
         state.fallback = reason
@@ -328,6 +362,8 @@ class FastRun:
     fn: object
     bind: object
     source: str
+    key: tuple = None                                # the call key of ``recompute_key``
+    order: tuple = None                              # the plan's leaf order
 
 
 @dataclass
@@ -460,6 +496,7 @@ def _fast_run(state, options, layer, hit, args, kwargs):
     REUSE["inputs"] = options.reuse_inputs
     state.calls += 1
     state.fallback = None
+    state.forward_run = (run.key, run.label, run.fn, run.order)
     if run.fn is None:
         return original_forward(layer, args, kwargs)
     return run.fn(gi, layer, *vals)
@@ -530,7 +567,7 @@ def _fast_run_of(state, layer, call, decision, n_args, kwargs):
         w.lines.append(f"    if not {w.const(_checks_hold)}(m, {{{values}}}, "
                        f"{w.const(guards)}, {w.const(conditions)}): return None")
     bind, source = w.compile([exprs[v] for v in order] if fn is not None else [])
-    return FastRun(label, fn, bind, source)
+    return FastRun(label, fn, bind, source, recompute_key(call), order)
 
 
 def _leaf_expr(w, compiled, var, leaf, place, value, used):

@@ -541,6 +541,35 @@ def test_autocast_calls_run_dgls_forward_and_the_plans_run_again_after():
     assert_ran_plans(model)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointed_layers_match_dgl(reentrant):
+    """Layers run under ``torch.utils.checkpoint`` (recomputed in the backward, with the same
+    random numbers): outputs and gradients are DGL's, dropout included. The non-reentrant kind
+    stops its recomputation by raising through the layer, which is not a plan failing."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = dgl.nn.GATConv(12, 4, 2, feat_drop=0.3, attn_drop=0.3)
+            self.b = dgl.nn.GraphConv(8, 5)
+
+        def forward(self, g, x):
+            h = checkpoint(self.a, g, x, use_reentrant=reentrant).flatten(1)
+            h = nn.functional.dropout(torch.relu(h), 0.5, self.training)
+            return checkpoint(self.b, g, h, use_reentrant=reentrant)
+    g = undirected()
+    x = features(g, 12).requires_grad_()
+    torch.manual_seed(0)
+    model = Checkpointed()
+    ref = copy.deepcopy(model)
+    granii(model, g, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)       # no plan reported as failing
+        train_side_by_side(lambda m, w: m(g, x), model, ref)
+    assert_ran_plans(model)
+
+
 def test_graphconv_with_a_weight_passed_at_the_call_matches_dgl():
     """``GraphConv(..., weight=False)`` multiplied by the ``weight`` given at each call (e.g. a
     hypernetwork's output): its gradient reaches whatever made it."""

@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from .dispatch import (Dispatcher, Options, dispatcher_of, inspecting, layer_states,
-                       leaf_vals_order, prepare)
+from .dispatch import (Dispatcher, Options, _any_requires_grad, dispatcher_of, inspecting,
+                       layer_states, leaf_vals_order, prepare)
 from .explain import explain
 from .kernels import pool
 from .plan import plan_code
@@ -133,8 +133,7 @@ def _inspect(model, graph, feats, extra_args=(), extra_kwargs=None):
     follow, not for a call without gradients no training step makes. Otherwise it runs
     without gradients. See ``dispatch.inspecting`` for what the run does not count."""
     saved = _snapshot(model)
-    train = (model.training and torch.is_grad_enabled()
-             and any(p.requires_grad for p in model.parameters()))
+    train = model.training and torch.is_grad_enabled() and _any_requires_grad(model)
     parts = graph if isinstance(graph, (list, tuple)) else [graph]
     blocks = bool(parts) and all(getattr(b, "is_block", False) for b in parts)
     try:

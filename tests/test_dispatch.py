@@ -561,6 +561,23 @@ class BlockModel(nn.Module):
         return self.b(blocks[1], self.a(blocks[0], x))
 
 
+def _assert_step_matches(model, ref, run, seed=None):
+    """One training step of ``run(model)`` and ``run(ref)`` (each after ``torch.manual_seed(seed)``
+    when given): the same outputs and parameter gradients; the gradients are cleared after."""
+    outs = []
+    for m in (model, ref):
+        if seed is not None:
+            torch.manual_seed(seed)
+        outs.append(run(m))
+    out, want = outs
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+        p.grad, q.grad = None, None
+
+
 def test_trial_on_sampled_blocks_settles_and_keeps_dgls_results():
     """On blocks used once, the candidates take turns on successive blocks of the sampler
     configuration (each time divided by the block's size); every block's outputs and gradients
@@ -573,14 +590,7 @@ def test_trial_on_sampled_blocks_settles_and_keeps_dgls_results():
     inp0, blocks0 = batches[0]
     granii(model, blocks0, x_all[inp0], cost_model=AnalyticalCost())
     for inp, blocks in batches:
-        x = x_all[inp]
-        out, want = model(blocks, x), ref(blocks, x)
-        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
-        out.square().sum().backward()
-        want.square().sum().backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
-            p.grad, q.grad = None, None
+        _assert_step_matches(model, ref, lambda m: m(blocks, x_all[inp]))
     for st in layer_states(model):
         assert st.tuned is not None, st.name
         times, kept = st.tuned
@@ -625,17 +635,7 @@ def test_inspection_on_blocks_decides_for_the_training_steps(monkeypatch):
         trials = [d for d in st.sampled.values() if hasattr(d, "candidates")]
         assert trials and all(t.turn == 0 and not t.times and not t.pending for t in trials)
     for i, (inp, blocks) in enumerate(batches):
-        x = x_all[inp]
-        torch.manual_seed(i)
-        out = model(blocks, x)
-        torch.manual_seed(i)
-        want = ref(blocks, x)
-        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
-        out.square().sum().backward()
-        want.square().sum().backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
-            p.grad, q.grad = None, None
+        _assert_step_matches(model, ref, lambda m: m(blocks, x_all[inp]), seed=i)
     assert len(made) == 2
 
 
@@ -663,16 +663,7 @@ def test_inspection_on_a_whole_graph_leaves_no_timing_hook_and_dgls_training(mon
     assert made == [(True, False), (True, False)]
     assert all(not p._backward_hooks for p in model.parameters())
     for i in range(3):
-        torch.manual_seed(i)
-        out = model(g, x)
-        torch.manual_seed(i)
-        want = want_model(g, x)
-        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
-        out.square().sum().backward()
-        want.square().sum().backward()
-        for (name, p), q in zip(model.named_parameters(), want_model.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
-            p.grad, q.grad = None, None
+        _assert_step_matches(model, want_model, lambda m: m(g, x), seed=i)
     # the first layer's features come back: decided once more, as a repeat; the second's are
     # new at each step and take the run's decision
     assert made[2:] == [(True, True)]

@@ -332,6 +332,22 @@ def test_quick_config_profiles_every_registered_pair():
     assert all(s["k"] % s["heads"] == 0 for s in sizes)
 
 
+def test_shipped_models_price_every_profiled_pair():
+    """Each shipped folder made by the current profiler (its fingerprint names the vector
+    extension) has a model for every (primitive, implementation) a full profile measures: a
+    kernel added later and profiled on one machine only leaves the other machines' plans using
+    it priced by transfer. ``granii-init --only <primitive>`` fills the gap."""
+    from pathlib import Path
+    shipped = Path(__file__).resolve().parent.parent / "costmodels"
+    pairs = {f"{p}/{i}" for p, impls in pts.registered(pts.full_config().prims) for i in impls}
+    folders = [json.loads(m.read_text()) for m in sorted(shipped.glob("*/manifest.json"))]
+    current = [m for m in folders if "isa" in m["fingerprint"]]
+    assert len(current) >= 2
+    for manifest in current:
+        missing = sorted(pairs - set(manifest["models"]))
+        assert not missing, f"costmodels/{manifest['fingerprint_id']} lacks {missing}"
+
+
 def test_only_names_profiled_primitives_and_needs_a_model_folder(tmp_path):
     from scripts.init_machine import main
     with pytest.raises(SystemExit, match="no profiled primitive nonesuch"):

@@ -160,6 +160,30 @@ def test_spmm_weighted(small, dtype, heads):
         torch.testing.assert_close(y.double(), ref(w.double(), x.double()), **_tol(dtype))
 
 
+@needs_native
+def test_constant_values_gathered_once_per_tensor_not_per_view(small):
+    """A plan passes its once-per-graph edge values (``D A D``) reshaped at each call: a new view
+    object of the same tensor. Their CSR-ordered copy is kept across such views, made again when
+    the tensor changes in place, and two different views of one tensor keep their own."""
+    graph = small
+    gi, e = graph_info(graph), graph.num_edges()
+    base = torch.rand(e, 2) + 0.1
+    x = torch.randn(graph.num_src_nodes(), 8)
+    ref = lambda w: _dense(graph, w).float() @ x           # noqa: E731
+    kept = []
+    for _ in range(3):
+        w = base[:, 0]                                     # a new view each time
+        torch.testing.assert_close(native.spmm_weighted_native(gi, w, x), ref(w), **_tol(x.dtype))
+        (entry,) = [e for e in gi.cache["native_values"].values() if e[0]() is base]
+        kept.append(entry[2]["a"])
+    assert kept[0] is kept[1] is kept[2]
+    base.mul_(3.0)                                         # in place: gathered again
+    w = base[:, 0]
+    torch.testing.assert_close(native.spmm_weighted_native(gi, w, x), ref(w), **_tol(x.dtype))
+    w1 = base[:, 1]                                        # another view of the same tensor
+    torch.testing.assert_close(native.spmm_weighted_native(gi, w1, x), ref(w1), **_tol(x.dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("impl", ["native", "dgl"])
 def test_spmm_heads(small, dtype, impl):

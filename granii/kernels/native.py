@@ -155,8 +155,9 @@ class Values:
     Reading ``w[eid]`` inside the kernel costs a cache miss per nonzero on graphs whose edge ids
     are scattered (measured 1.3-1.7x the unweighted product on R-MAT); one gather into CSR order
     costs less. The values of a constant ``w`` (no grad: a normalised adjacency) are gathered once
-    per graph and order, kept while the same tensor object is passed unchanged (``_version``;
-    an inference tensor has none, and is gathered at each call).
+    per graph and order, kept while the same tensor, or a view of it taken the same way (a plan
+    reshapes its once-per-graph values at each call), comes back unchanged (``_version``, which
+    views share; an inference tensor has none, and is gathered at each call).
     """
     __slots__ = ("gi", "w2", "store")
 
@@ -164,14 +165,15 @@ class Values:
         self.gi, self.w2, self.store = gi, w2, None
         if user_w is not None and not user_w.requires_grad and not user_w.is_inference():
             cache = gi.cache.setdefault("native_values", {})
-            entry = cache.get(id(user_w))
-            if entry is None or entry[0]() is not user_w or entry[1] != user_w._version \
-                    or entry[2] != (w2.dtype, tuple(w2.shape)):
-                for key in [key for key, e in cache.items() if e[0]() is None]:
-                    del cache[key]
-                entry = cache[id(user_w)] = (weakref.ref(user_w), user_w._version,
-                                             (w2.dtype, tuple(w2.shape)), {})
-            self.store = entry[3]
+            base = user_w if user_w._base is None else user_w._base
+            key = (id(base), user_w.storage_offset(), tuple(user_w.shape), user_w.stride(),
+                   w2.dtype, tuple(w2.shape))
+            entry = cache.get(key)
+            if entry is None or entry[0]() is not base or entry[1] != user_w._version:
+                for k in [k for k, e in cache.items() if e[0]() is None]:
+                    del cache[k]
+                entry = cache[key] = (weakref.ref(base), user_w._version, {})
+            self.store = entry[2]
 
     def get(self, which):
         if self.store is not None and which in self.store:

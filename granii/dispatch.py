@@ -252,7 +252,7 @@ def _recompute(state, call, layer, args, kwargs):
     run = state.forward_run
     if run is None or run[2] is None or run[0] != recompute_key(call):
         return original_forward(layer, args, kwargs)
-    _, label, fn, order = run
+    _, _, fn, order = run
     state.calls += 1
     return fn(call.gi, layer, *(call.leaf_vals[v] for v in order))
 

@@ -70,7 +70,7 @@ import weakref
 import torch
 
 from .dispatch import (AUTOCAST, ORIGINAL, TRIAL_MARGIN, BackwardClock, Dispatcher, Trial,
-                       autocast_on, dispatcher_of)
+                       autocast_on, dispatcher_of, original_forward)
 from .graph import _physical_memory, graph_info
 from .kernels import pool, typed
 
@@ -541,7 +541,7 @@ class TypedDispatcher(Dispatcher):
                                          self.layer)
         if autocast_on():
             self.state.fallback = AUTOCAST
-            return type(self.layer).forward(self.layer, *args, **kwargs)
+            return original_forward(self.layer, args, kwargs)
         return pool.run(args, type(self).run, self.state, self.options, self.layer, args, kwargs)
 
     def __deepcopy__(self, memo):
@@ -855,7 +855,7 @@ class HeteroDispatcher(Dispatcher):
             self.state = HeteroState(getattr(self, "_name", type(self.layer).__name__), self.layer)
         if autocast_on():
             self.state.fallback = AUTOCAST
-            return type(self.layer).forward(self.layer, g, inputs, mod_args, mod_kwargs)
+            return original_forward(self.layer, (g, inputs, mod_args, mod_kwargs), {})
         feats = tuple(inputs.values()) if isinstance(inputs, dict) else (inputs,)
         return pool.run(feats, hetero_call, self.state, self.options, self.layer, g, inputs,
                         mod_args, mod_kwargs)

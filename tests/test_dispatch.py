@@ -578,17 +578,24 @@ def _assert_step_matches(model, ref, run, seed=None):
         p.grad, q.grad = None, None
 
 
+def _optimized_on_blocks(model_class, n_batches):
+    """``(batches, features, DGL's model, its copy after granii(...) on the first batch)``: the
+    two models have the same weights (seed 0)."""
+    g, batches = _blocks(n_batches)
+    x_all = torch.randn(g.num_nodes(), 12)
+    torch.manual_seed(0)
+    ref = model_class()
+    model = copy.deepcopy(ref)
+    inp0, blocks0 = batches[0]
+    granii(model, blocks0, x_all[inp0], cost_model=AnalyticalCost())
+    return batches, x_all, ref, model
+
+
 def test_trial_on_sampled_blocks_settles_and_keeps_dgls_results():
     """On blocks used once, the candidates take turns on successive blocks of the sampler
     configuration (each time divided by the block's size); every block's outputs and gradients
     are DGL's, and once settled the kept decision serves the later blocks."""
-    g, batches = _blocks(6 * (TRIAL_ROUNDS + 1) + 2)
-    x_all = torch.randn(g.num_nodes(), 12)
-    torch.manual_seed(0)
-    ref = BlockModel()
-    model = copy.deepcopy(ref)
-    inp0, blocks0 = batches[0]
-    granii(model, blocks0, x_all[inp0], cost_model=AnalyticalCost())
+    batches, x_all, ref, model = _optimized_on_blocks(BlockModel, 6 * (TRIAL_ROUNDS + 1) + 2)
     for inp, blocks in batches:
         _assert_step_matches(model, ref, lambda m: m(blocks, x_all[inp]))
     for st in layer_states(model):
@@ -623,13 +630,7 @@ def test_inspection_on_blocks_decides_for_the_training_steps(monkeypatch):
     batch, the same features) and the later batches decide nothing more, the run took no turn
     of a tie-break, and every step gives DGL's outputs and gradients, dropout included."""
     made = _count_decisions(monkeypatch)
-    g, batches = _blocks(4)
-    x_all = torch.randn(g.num_nodes(), 12)
-    torch.manual_seed(0)
-    ref = DropBlockModel()
-    model = copy.deepcopy(ref)
-    inp0, blocks0 = batches[0]
-    granii(model, blocks0, x_all[inp0], cost_model=AnalyticalCost())
+    batches, x_all, ref, model = _optimized_on_blocks(DropBlockModel, 4)
     assert made == [(True, False), (True, False)]
     for st in layer_states(model):
         trials = [d for d in st.sampled.values() if hasattr(d, "candidates")]

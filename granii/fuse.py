@@ -14,6 +14,7 @@ unfused sequence, so fusing never removes a choice.
                       the packed width for each block)
     GAT aggregation   spmm_weighted(dropout(softmax(leaky_relu(el_u + er_v))) [* w_e], Theta)
                           -> mask = dropout(ones); gat_aggregate(el, er, Theta, slope, mask [* w])
+                      (``+ bias`` that follows is added as each output row is written)
 
 A chain fuses only when its inner results have no other use and run when the fused step runs.
 """
@@ -156,13 +157,20 @@ def fuse_normalised_spmm(plan):
     return _rebuild(plan, steps, "n")
 
 
+# Fused steps that write a bias row [and a ReLU] as each output row is written: their number of
+# arguments without the epilogue, and whether they apply a ReLU.
+_EPILOGUES = {"spmm_norm": (3, True), "gat_aggregate": (5, False)}
+
+
 def _epilogue(plan, steps):
-    """``spmm_norm`` + bias row [-> ReLU] written by the fused step itself."""
+    """``spmm_norm`` + bias row [-> ReLU], ``gat_aggregate`` + bias row, written by the fused
+    step itself."""
     by_var = {st.var: st for st in steps}
     uses = _uses(replace(plan, steps=steps))
     out = list(steps)
     for st in steps:
-        if st.prim != "spmm_norm" or st.when != EVERY or len(st.args) > 3:
+        n_args, relu = _EPILOGUES.get(st.prim, (None, False))
+        if n_args is None or st.when != EVERY or len(st.args) > n_args:
             continue
         users = uses.get(st.var, ())
         if len(users) != 1 or users[0] is None or users[0].prim != "add":
@@ -174,7 +182,7 @@ def _epilogue(plan, steps):
             continue
         new = replace(st, var=add.var, args=st.args + (other,), key=add.key)
         act_users = uses.get(add.var, ())
-        if len(act_users) == 1 and act_users[0] is not None and act_users[0].prim == "apply":
+        if relu and len(act_users) == 1 and act_users[0] is not None and act_users[0].prim == "apply":
             ref = plan.applies.get(act_users[0].var, ())
             fn = ref[1] if ref and ref[0] == "function" else (ref[2] if len(ref) > 2 else None)
             if any(fn is r for r in _RELUS):
@@ -251,7 +259,7 @@ def fuse_gat(plan):
         replaced[st.var] = [fused]
         gone = {c.var for c in chain}
         steps = [r for s in plan.steps if s.var not in gone for r in replaced.get(s.var, [s])]
-        return _rebuild(plan, steps, "g")
+        return _rebuild(plan, _epilogue(plan, steps), "g")
     return None
 
 

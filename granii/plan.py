@@ -542,11 +542,11 @@ def edge_ones(gi, el):
     return torch.ones(gi.num_edges, el.shape[-1] if el.dim() > 1 else 1, dtype=el.dtype)
 
 
-def gat_heads(kernel, gi, el, er, x, slope, w):
-    """GAT's aggregation with ``x`` of shape (n, H F) and scores ``el``, ``er`` of shape (n, H):
-    the kernel's (n_dst, H, F) output as (n_dst, H F)."""
+def gat_heads(kernel, gi, el, er, x, slope, w, bias=None):
+    """GAT's aggregation with ``x`` of shape (n, H F) and scores ``el``, ``er`` of shape (n, H)
+    [and a bias row of H F added by the kernel]: its (n_dst, H, F) output as (n_dst, H F)."""
     heads = el.shape[-1] if el.dim() > 1 else 1
-    out = kernel(gi, el, er, x.view(x.shape[0], heads, -1), slope, w)
+    out = kernel(gi, el, er, x.view(x.shape[0], heads, -1), slope, w, bias)
     return out.reshape(out.shape[0], -1)
 
 

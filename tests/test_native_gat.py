@@ -116,13 +116,17 @@ def _inputs(g, heads, width, dtype, weighted, seed=0):
     return el, er, feat, w
 
 
-def _compare(fn, g, heads, width, dtype, weighted, slope=0.2, tol=None):
-    """``fn`` against the dense float64 reference in the output and the gradients of every input."""
+def _compare(fn, g, heads, width, dtype, weighted, slope=0.2, tol=None, bias=False):
+    """``fn`` against the dense float64 reference in the output and the gradients of every input
+    (with ``bias``: a bias of ``heads * width`` values passed to ``fn``, added to the reference)."""
     el, er, feat, w = _inputs(g, heads, width, dtype, weighted)
-    leaves = [t.clone().requires_grad_() if t is not None else None for t in (el, er, feat, w)]
-    leaves64 = [t.double().requires_grad_() if t is not None else None for t in (el, er, feat, w)]
-    y = fn(graph_info(g), *leaves[:3], slope, leaves[3])
+    b = torch.randn(heads * width, generator=torch.Generator().manual_seed(7), dtype=dtype) if bias else None
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in (el, er, feat, w, b)]
+    leaves64 = [t.double().requires_grad_() if t is not None else None for t in (el, er, feat, w, b)]
+    y = fn(graph_info(g), *leaves[:3], slope, leaves[3], **({"bias": leaves[4]} if bias else {}))
     y_ref = dense_reference(g, *leaves64[:3], slope, leaves64[3])
+    if bias:
+        y_ref = y_ref + leaves64[4].reshape(heads, width)
     assert y.dtype == dtype and y.shape == (g.num_dst_nodes(), heads, width)
     atol = tol or (1e-5 if dtype == torch.float32 else 1e-10)
     torch.testing.assert_close(y.double(), y_ref, atol=atol, rtol=atol)
@@ -168,8 +172,10 @@ def test_fused_plan_with_attention_dropout_draws_dgls_mask(edge_weight):
     fused = [p for p in call.compiled.plans if "gat_aggregate" in p.composition()]
     assert fused, [p.composition() for p in call.compiled.plans]
     for plan in fused:
-        assert "edge_mask" in [s.prim for s in plan.steps]
-        at = next(i for i, s in enumerate(plan.steps) if s.prim == "gat_aggregate")
+        prims = [s.prim for s in plan.steps]
+        assert "edge_mask" in prims and "add" not in prims, prims   # the bias is the kernel's
+        at = prims.index("gat_aggregate")
+        assert plan.steps[at].args[-1] == "bias", plan.steps[at].args
         base = [step_impls(s)[0] for s in plan.steps]
         for impl in step_impls(plan.steps[at]):
             impls = tuple(base[:at] + [impl] + base[at + 1:])
@@ -204,6 +210,16 @@ def test_gat_aggregate_float32(graph, impl, heads, width, weighted):
 @pytest.mark.parametrize("heads,width", [(1, 8), (8, 8), (2, 3)])
 def test_gat_aggregate_float64(graph, impl, heads, width):
     _compare(_impl(impl), graph, heads, width, torch.float64, True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("heads,width,dtype", [(1, 8, torch.float32), (8, 8, torch.float32),
+                                               (3, 5, torch.float32), (4, 64, torch.float32),
+                                               (2, 3, torch.float64)])
+def test_gat_aggregate_with_bias(graph, impl, heads, width, dtype):
+    """The bias epilogue: every row gets ``bias`` (rows without in-edges only it), and the
+    attention gradients are those of the sum without it."""
+    _compare(_impl(impl), graph, heads, width, dtype, True, bias=True)
 
 
 @needs_native
@@ -314,9 +330,13 @@ def test_gradcheck(name):
     g = GRAPHS[name]()
     gi = graph_info(g)
     el, er, feat, w = (t.requires_grad_() for t in _inputs(g, 2, 3, torch.float64, True))
+    bias = torch.randn(6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda el, er, feat, w: native_gat.gat_fused_native(gi, el, er, feat, 0.2, w),
         (el, er, feat, w))
+    assert torch.autograd.gradcheck(
+        lambda el, er, feat, w, b: native_gat.gat_fused_native(gi, el, er, feat, 0.2, w, b),
+        (el, er, feat, w, bias))
     a = torch.randn(g.num_src_nodes(), 2, 1, dtype=torch.float64, requires_grad=True)
     b = torch.randn(g.num_dst_nodes(), 2, 1, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda a, b: native_gat.sddmm_add_native(gi, a, b), (a, b))

@@ -1,14 +1,17 @@
 """GAT's attention fused with its aggregation (primitive ``gat_aggregate``), and native SDDMM-add
 and edge-softmax kernels (implementation ``"native"`` of ``sddmm_add`` and ``edge_softmax``).
 
-``gat_aggregate(gi, el, er, feat, slope, edge_weight=None)``, per destination ``v`` and head ``h``::
+``gat_aggregate(gi, el, er, feat, slope, edge_weight=None, bias=None)``, per destination ``v`` and
+head ``h``::
 
     x_e = el[u, h] + er[v, h]                      for each in-edge e = (u -> v)
     a_e = exp(lrelu(x_e)) / sum_{e' -> v} exp(lrelu(x_e'))      (lrelu: leaky ReLU, ``slope``)
-    out[v, h, :] = sum_{e -> v} a_e * w_e * feat[u, h, :]         (w_e = 1 without edge weights)
+    out[v, h, :] = sum_{e -> v} a_e * w_e * feat[u, h, :]  [+ bias[h, :]]
+                                                   (w_e = 1 without edge weights)
 
 which is DGL's ``GATConv`` after its projections: ``u_add_v``, ``leaky_relu``, ``edge_softmax``,
-the product with ``edge_weight`` and ``u_mul_e_sum``. Rows without in-edges give 0.
+the product with ``edge_weight`` and ``u_mul_e_sum`` [, GATConv's bias]. Rows without in-edges
+give 0 (the bias, with one).
 Shapes: ``el`` ``(num_src, H[, 1])``, ``er`` ``(num_dst, H[, 1])``, ``feat`` ``(num_src, H, F)``,
 ``edge_weight`` ``(E,)`` (or ``(E, 1[, 1])``) in DGL edge-id order, or ``(E, H)``: one weight per
 edge and head (``w_eh`` in place of ``w_e``); out ``(num_dst, H, F)``.
@@ -17,7 +20,7 @@ The native kernel makes one pass over the in-edges of each destination row for a
 scores stay in a per-row scratch buffer, never in an edge x head tensor. The backward keeps each
 row's max and ``1 / sum`` (``num_dst x H``) and the output, recomputes ``a_e``, and walks the
 transpose ``A^T`` (kept once per graph) so that the source-side gradients (``feat``, ``el``) are
-summed per source row without races; ``D_v = <dout[v], out[v]>`` gives the softmax's row term
+summed per source row without races; ``D_v = <dout[v], out[v] - bias>`` gives the softmax's row term
 without another pass over the edges. Because the output is saved for the backward, modifying it
 in place before the backward makes autograd raise (as for ``torch.softmax``); DGL's
 ``u_mul_e_sum`` saves its inputs instead. Edge weights are read through the CSR's edge ids (one
@@ -84,24 +87,26 @@ class _GatFused(torch.autograd.Function):
     """Fused ``gat_aggregate`` on ``(el2, er2, feat3, w)``; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, el, er, feat, w, gi, slope):
-        out, mx, inv = _OPS.gat_forward(*_csr(gi, "a"), el, er, feat, w, slope)
-        ctx.save_for_backward(el, er, feat, w, mx, inv, out)
+    def forward(ctx, el, er, feat, w, bias, gi, slope):
+        out, mx, inv = _OPS.gat_forward(*_csr(gi, "a"), el, er, feat, w, slope, bias)
+        ctx.save_for_backward(el, er, feat, w, bias, mx, inv, out)
         ctx.gi, ctx.slope = gi, slope
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        el, er, feat, w, mx, inv, out = ctx.saved_tensors
+        el, er, feat, w, bias, mx, inv, out = ctx.saved_tensors
         need = ctx.needs_input_grad
+        dout = dout.contiguous()
         grads = _OPS.gat_backward(
             _csr(ctx.gi, "a")[0], _t2in(ctx.gi), *_csr(ctx.gi, "at"), el, er, feat, w, ctx.slope,
-            mx, inv, out, dout.contiguous(), need[0], need[1], need[2], need[3] and w is not None)
-        return tuple(g if n else None for g, n in zip(grads, need[:4])) + (None, None)
+            mx, inv, out, dout, need[0], need[1], need[2], need[3] and w is not None, bias)
+        dbias = dout.sum(0).reshape(bias.shape) if need[4] else None
+        return tuple(g if n else None for g, n in zip(grads, need[:4])) + (dbias, None, None)
 
 
-def _check_shapes(gi, el, er, feat, edge_weight):
+def _check_shapes(gi, el, er, feat, edge_weight, bias=None):
     if feat.dim() != 3 or feat.shape[0] != gi.num_src:
         raise ValueError(f"granii: feat must be (num_src={gi.num_src}, H, F), got {tuple(feat.shape)}")
     heads = feat.shape[1]
@@ -111,20 +116,31 @@ def _check_shapes(gi, el, er, feat, edge_weight):
     if edge_weight is not None and edge_weight.numel() not in (gi.num_edges, gi.num_edges * heads):
         raise ValueError(f"granii: edge_weight must hold one value per edge ({gi.num_edges}) or "
                          f"per edge and head, got {tuple(edge_weight.shape)}")
+    if bias is not None and bias.numel() != feat.shape[1] * feat.shape[2]:
+        raise ValueError(f"granii: bias must hold H * F = {feat.shape[1] * feat.shape[2]} values, "
+                         f"got {tuple(bias.shape)}")
 
 
-def gat_fused_native(gi, el, er, feat, slope, edge_weight=None):
-    """``gat_aggregate`` in one native pass per destination row (see the module docstring).
+def gat_fused_native(gi, el, er, feat, slope, edge_weight=None, bias=None):
+    """``gat_aggregate`` in one native pass per destination row (see the module docstring); a
+    ``bias`` is added as each output row is written.
 
     Float32 and float64; other dtypes run the ``dgl`` composition.
     """
-    _check_shapes(gi, el, er, feat, edge_weight)
-    if feat.dtype not in (torch.float32, torch.float64):
-        return gat_aggregate_dgl(gi, el, er, feat, slope, edge_weight)
+    _check_shapes(gi, el, er, feat, edge_weight, bias)
+    if feat.dtype not in (torch.float32, torch.float64) or (bias is not None
+                                                             and bias.dtype != feat.dtype):
+        return gat_aggregate_dgl(gi, el, er, feat, slope, edge_weight, bias)
     dt = feat.dtype
     w = None if edge_weight is None else edge_weight.reshape(-1).to(dt).contiguous()
+    b = None if bias is None else bias.reshape(-1)
     return _GatFused.apply(_rows(el, gi.num_src).to(dt), _rows(er, gi.num_dst).to(dt),
-                           feat.contiguous(), w, gi, float(slope))
+                           feat.contiguous(), w, b, gi, float(slope))
+
+
+def _biased(out, bias):
+    """``out`` ``(n, H, F)`` plus a bias of ``H F`` values, when there is one."""
+    return out if bias is None else out + bias.reshape(out.shape[1:])
 
 
 def _weighted(a, edge_weight):
@@ -136,25 +152,26 @@ def _weighted(a, edge_weight):
 
 
 @register("gat_aggregate", "dgl")
-def gat_aggregate_dgl(gi, el, er, feat, slope, edge_weight=None):
+def gat_aggregate_dgl(gi, el, er, feat, slope, edge_weight=None, bias=None):
     """``gat_aggregate`` with DGL's ops, as GATConv runs it: ``u_add_v``, ``leaky_relu``,
-    ``edge_softmax``, the edge weight, ``u_mul_e_sum``."""
-    _check_shapes(gi, el, er, feat, edge_weight)
+    ``edge_softmax``, the edge weight, ``u_mul_e_sum`` [, + bias]."""
+    _check_shapes(gi, el, er, feat, edge_weight, bias)
     g, heads = gi.g, feat.shape[1]
     e = dgl.ops.u_add_v(g, el.reshape(gi.num_src, heads, 1), er.reshape(gi.num_dst, heads, 1))
     a = dgl.ops.edge_softmax(g, F.leaky_relu(e, slope))
-    return dgl.ops.u_mul_e_sum(g, feat, _weighted(a, edge_weight))
+    return _biased(dgl.ops.u_mul_e_sum(g, feat, _weighted(a, edge_weight)), bias)
 
 
 @register("gat_aggregate", "torch")
-def gat_aggregate_torch(gi, el, er, feat, slope, edge_weight=None):
+def gat_aggregate_torch(gi, el, er, feat, slope, edge_weight=None, bias=None):
     """``gat_aggregate`` with granii's torch kernels: index-gather ``sddmm_add``, ``edge_softmax``
-    by scatter reductions, all heads as one interleaved CSR product (``spmm_weighted`` torch_csr)."""
-    _check_shapes(gi, el, er, feat, edge_weight)
+    by scatter reductions, all heads as one interleaved CSR product (``spmm_weighted`` torch_csr)
+    [, + bias]."""
+    _check_shapes(gi, el, er, feat, edge_weight, bias)
     heads = feat.shape[1]
     e = _sddmm.sddmm_add_torch(gi, el.reshape(gi.num_src, heads, 1), er.reshape(gi.num_dst, heads, 1))
     a = _softmax.edge_softmax_torch(gi, F.leaky_relu(e, slope))
-    return _spmm.spmm_weighted_torch_csr(gi, _weighted(a, edge_weight), feat)
+    return _biased(_spmm.spmm_weighted_torch_csr(gi, _weighted(a, edge_weight), feat), bias)
 
 
 # ---- SDDMM add and edge softmax ------------------------------------------------------------------

@@ -2,16 +2,16 @@
 // edge softmax), on the CSR of A (one row per destination, columns = sources, plus the edge id of
 // each entry so that edge tensors stay in the graph's edge-id order).
 //
-//   granii::gat_forward(indptr, indices, eids, el, er, feat, w, slope) -> [out, m, 1/S]
+//   granii::gat_forward(indptr, indices, eids, el, er, feat, w, slope, bias=None) -> [out, m, 1/S]
 //   granii::gat_backward(in_indptr, t2in, t_indptr, t_indices, t_eids, el, er, feat, w, slope,
-//                        m, 1/S, out, dout, need_el, need_er, need_feat, need_w)
+//                        m, 1/S, out, dout, need_el, need_er, need_feat, need_w, bias=None)
 //       -> [del, der, dfeat, dw] (empty tensors where not needed)
 //   granii::sddmm_add_coo(src, dst, a, b), edge_row_sum(indptr, eids, x),
 //   granii::edge_softmax_csr(indptr, eids, x), edge_softmax_csr_backward(indptr, eids, a, g)
 //
 // Fused forward, per destination v and head h, over the in-edges e = (u -> v):
 //   x_e = el[u,h] + er[v,h],  z_e = leaky_relu(x_e),  m_v = max_e z_e,  S_v = sum_e exp(z_e - m_v)
-//   out[v,h,:] = sum_e (exp(z_e - m_v) / S_v) * w_e * feat[u,h,:]
+//   out[v,h,:] = sum_e (exp(z_e - m_v) / S_v) * w_e * feat[u,h,:]  [+ bias[h,:]]
 // Per row, the coefficients of all its entries and heads go to a scratch buffer (heads in one
 // vector when H is 4, 8 or 16), then the source rows are gathered in register tiles. Scores are
 // never stored beyond the row; m_v and 1/S_v are kept for the backward, which recomputes
@@ -429,7 +429,7 @@ CoefFn<T, I> coefficients_for(int64_t H) {
 // coefficients of all its entries and heads into scratch, then one walk (per tile) over the
 // source feature rows.
 template <int FC, typename T, typename I>
-void forward_rows(const Gat<T, I>& g, T* out, T* mx, T* inv, int64_t r0, int64_t r1) {
+void forward_rows(const Gat<T, I>& g, const T* bias, T* out, T* mx, T* inv, int64_t r0, int64_t r1) {
   const int64_t H = g.H, F = FC > 0 ? FC : g.F, HF = H * F;
   const int64_t last = g.indptr[r1];
   // short feature rows are requested while the scores are computed, long ones by the tile walk
@@ -440,7 +440,8 @@ void forward_rows(const Gat<T, I>& g, T* out, T* mx, T* inv, int64_t r0, int64_t
     const int64_t b = g.indptr[v], deg = g.indptr[v + 1] - b;
     T* o = out + v * HF;
     if (deg == 0) {
-      std::fill(o, o + HF, T(0));
+      if (bias) std::copy(bias, bias + HF, o);
+      else std::fill(o, o + HF, T(0));
       std::fill(mx + v * H, mx + v * H + H, T(0));
       std::fill(inv + v * H, inv + v * H + H, T(0));
       continue;
@@ -448,6 +449,10 @@ void forward_rows(const Gat<T, I>& g, T* out, T* mx, T* inv, int64_t r0, int64_t
     if (static_cast<int64_t>(sc.size()) < deg * H) sc.resize(deg * H);
     coefficients(g, v, b, deg, last, early, sc.data(), mx + v * H, inv + v * H);
     gather_row<FC>(g.feat, g.indices + b, sc.data(), deg, H, F, o);
+    if (bias) {
+#pragma omp simd
+      for (int64_t f = 0; f < HF; ++f) o[f] += bias[f];
+    }
   }
 }
 
@@ -708,10 +713,11 @@ bool dispatch_narrow(int64_t F, int64_t H, const Fn& fn) {
   }
 }
 
-// rowv (rows, 4, H) = [er, m, 1/S, D] per row with D[v, h] = <dout[v, h], out[v, h]>.
+// rowv (rows, 4, H) = [er, m, 1/S, D] per row with D[v, h] = <dout[v, h], out[v, h] - bias[h]>
+// (out holds the bias when the forward added one).
 template <int FC, typename T>
-void pack_rows(const T* er, const T* mx, const T* inv, const T* dout, const T* out, int64_t rows, int64_t H,
-               int64_t Fr, T* rowv) {
+void pack_rows(const T* er, const T* mx, const T* inv, const T* dout, const T* out, const T* bias, int64_t rows,
+               int64_t H, int64_t Fr, T* rowv) {
   const int64_t F = FC > 0 ? FC : Fr;
   at::parallel_for(0, rows, std::max<int64_t>(1, kSerialWork / std::max<int64_t>(H * F, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t v = r0; v < r1; ++v) {
@@ -723,8 +729,14 @@ void pack_rows(const T* er, const T* mx, const T* inv, const T* dout, const T* o
         const T* x = dout + (v * H + h) * F;
         const T* y = out + (v * H + h) * F;
         T acc = T(0);
+        if (bias) {
+          const T* b = bias + h * F;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t f = 0; f < F; ++f) acc += x[f] * y[f];
+          for (int64_t f = 0; f < F; ++f) acc += x[f] * (y[f] - b[f]);
+        } else {
+#pragma omp simd reduction(+ : acc)
+          for (int64_t f = 0; f < F; ++f) acc += x[f] * y[f];
+        }
         rv[3 * H + h] = acc;
       }
     }
@@ -812,15 +824,26 @@ void check_inputs(const at::Tensor& el, const at::Tensor& er, const at::Tensor& 
   }
 }
 
-// (out, m, 1/S): out (num_dst, H, F) with num_dst = indptr.size(0) - 1.
+// The bias (H F,) of an epilogue, checked; undefined when absent.
+at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& feat, const char* name) {
+  if (!bias.has_value()) return at::Tensor();
+  check_dense(*bias, "bias", name, feat.scalar_type());
+  TORCH_CHECK(bias->numel() == feat.size(1) * feat.size(2), name, ": bias must hold H * F values");
+  return *bias;
+}
+
+// (out, m, 1/S): out (num_dst, H, F) with num_dst = indptr.size(0) - 1; with a bias (H F,), the
+// epilogue out[v] += bias as each row is written.
 std::vector<at::Tensor> gat_forward(const at::Tensor& indptr, const at::Tensor& indices,
                                     const c10::optional<at::Tensor>& eids, const at::Tensor& el,
                                     const at::Tensor& er, const at::Tensor& feat,
-                                    const c10::optional<at::Tensor>& w, double slope) {
+                                    const c10::optional<at::Tensor>& w, double slope,
+                                    const c10::optional<at::Tensor>& bias_) {
   const char* name = "granii::gat_forward";
   check_index(indptr, indices, eids, name);
   const int64_t rows = indptr.size(0) - 1, H = feat.size(1), F = feat.size(2), E = indices.size(0);
   check_inputs(el, er, feat, w, el.size(0), rows, E, name);
+  const auto bias = checked_bias(bias_, feat, name);
   auto out = at::empty({rows, H, F}, feat.options());
   auto mx = at::empty({rows, H}, feat.options());
   auto inv = at::empty({rows, H}, feat.options());
@@ -830,7 +853,8 @@ std::vector<at::Tensor> gat_forward(const at::Tensor& indptr, const at::Tensor& 
       const auto g = make_gat<T, index_t>(indptr, indices, eids, el, er, feat, w, slope);
       dispatch_width(F, [&](auto fc) {
         parallel_rows(g.indptr, rows, E * H * F, [&](int64_t r0, int64_t r1) {
-          forward_rows<decltype(fc)::value>(g, out.data_ptr<T>(), mx.data_ptr<T>(), inv.data_ptr<T>(), r0, r1);
+          forward_rows<decltype(fc)::value>(g, bias.defined() ? bias.data_ptr<T>() : nullptr, out.data_ptr<T>(),
+                                            mx.data_ptr<T>(), inv.data_ptr<T>(), r0, r1);
         });
       });
     });
@@ -846,8 +870,10 @@ std::vector<at::Tensor> gat_backward(const at::Tensor& in_indptr, const at::Tens
                                      const at::Tensor& er, const at::Tensor& feat,
                                      const c10::optional<at::Tensor>& w, double slope, const at::Tensor& mx,
                                      const at::Tensor& inv, const at::Tensor& out, const at::Tensor& dout_,
-                                     bool need_el, bool need_er, bool need_feat, bool need_w) {
+                                     bool need_el, bool need_er, bool need_feat, bool need_w,
+                                     const c10::optional<at::Tensor>& bias_) {
   const char* name = "granii::gat_backward";
+  const auto bias = checked_bias(bias_, feat, name);
   check_index(t_indptr, t_indices, t_eids, name);
   TORCH_CHECK(t2in.scalar_type() == t_indptr.scalar_type() && t2in.is_contiguous() &&
               t2in.numel() == t_indices.numel(), name, ": t2in must hold one position per entry, index type");
@@ -867,7 +893,8 @@ std::vector<at::Tensor> gat_backward(const at::Tensor& in_indptr, const at::Tens
     using T = scalar_t;
     dispatch_width(F, [&](auto fc) {
       pack_rows<decltype(fc)::value, T>(er.data_ptr<T>(), mx.data_ptr<T>(), inv.data_ptr<T>(), dout.data_ptr<T>(),
-                                        out.data_ptr<T>(), n_dst, H, F, rowv.data_ptr<T>());
+                                        out.data_ptr<T>(), bias.defined() ? bias.data_ptr<T>() : nullptr, n_dst, H,
+                                        F, rowv.data_ptr<T>());
     });
     GRANII_DISPATCH_INDEX(t_indptr.scalar_type(), name, [&] {
       const auto g = make_gat<T, index_t>(t_indptr, t_indices, t_eids, el, er, feat, w, slope);
@@ -1052,12 +1079,12 @@ at::Tensor edge_softmax_backward(const at::Tensor& indptr, const c10::optional<a
 TORCH_LIBRARY_FRAGMENT(granii, m) {
   m.def(
       "gat_forward(Tensor indptr, Tensor indices, Tensor? eids, Tensor el, Tensor er, Tensor feat, "
-      "Tensor? w, float slope) -> Tensor[]");
+      "Tensor? w, float slope, Tensor? bias=None) -> Tensor[]");
   m.def(
       "gat_backward(Tensor in_indptr, Tensor t2in, Tensor t_indptr, Tensor t_indices, "
       "Tensor? t_eids, Tensor el, Tensor er, Tensor feat, Tensor? w, float slope, Tensor mx, "
       "Tensor inv, Tensor out, Tensor dout, bool need_el, bool need_er, bool need_feat, "
-      "bool need_w) -> Tensor[]");
+      "bool need_w, Tensor? bias=None) -> Tensor[]");
   m.def("sddmm_add_coo(Tensor src, Tensor dst, Tensor a, Tensor b) -> Tensor");
   m.def("edge_row_sum(Tensor indptr, Tensor? eids, Tensor x) -> Tensor");
   m.def("edge_softmax_csr(Tensor indptr, Tensor? eids, Tensor x) -> Tensor");

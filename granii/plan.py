@@ -299,12 +299,28 @@ def plan_code(plan, impls, name="plan"):
 
 def _step_expr(plan, step, impl):
     """``_expr`` of a step of ``plan``; a scaling by a run-time scalar (GIN's ``1 + eps``) is
-    skipped when the scalar is exactly one and needs no gradient (an intermediate only)."""
+    skipped when the scalar is exactly one and needs no gradient (an intermediate only); a GEMM
+    that adds a fresh product (``X_2 W_2 + X_1 W_1``) accumulates into it (``_accumulates``)."""
     expr = _expr(step, impl, plan.applies.get(step.var))
+    if _accumulates(plan, step):
+        expr = expr[:-1] + ", into=True)"
     leaf = plan.leaves.get(step.args[0]) if step.prim == "row_scale" else None
     if leaf is not None and leaf.source[0] == "scalar" and step.var != plan.out:
         expr = f"{step.args[1]} if is_one({step.args[0]}) else {expr}"
     return expr
+
+
+def _accumulates(plan, step):
+    """``step`` is ``gemm(X, W, C)`` with ``C`` the product of an earlier GEMM of this call that
+    nothing else reads: adding into ``C`` in place is safe (no one sees it change, a product's
+    backward does not keep its output, nothing caches it across calls)."""
+    if step.prim != "gemm" or len(step.args) != 3 or step.when != EVERY:
+        return False
+    c = step.args[2]
+    made = [st for st in plan.steps if st.var == c]
+    readers = [st for st in plan.steps if c in st.args]
+    return (len(made) == 1 and made[0].prim == "gemm" and made[0].when == EVERY
+            and len(readers) == 1 and readers[0] is step and c != plan.out)
 
 
 def is_one(s):

@@ -239,6 +239,32 @@ def test_tagconv_horner_plan_is_promoted():
                    if s.sig and s.prim.startswith("spmm")) for p in ge)
 
 
+def test_products_accumulate_in_place_only_into_fresh_results():
+    """Plans that add two products (TAGConv's hops, SAGEConv's self and neighbour terms) add the
+    second into the first in place; over repeated calls on the same features (whose
+    once-per-input results are reused) the output, the gradients and the features stay DGL's."""
+    from granii.dispatch import new_state, prepare, run_plan
+    from granii.plan import plan_code
+    from plan_check import grads, impl_choices
+    g = GRAPHS["undirected"]()
+    for layer in (TAGConv(6, 4, k=2), SAGEConv(6, 4, "mean")):
+        x = feats(g, 6)
+        x0 = x.detach().clone()
+        ref = layer(g, x)
+        ref_grads = grads(ref, [x] + list(layer.parameters()))
+        call = prepare(new_state(layer), layer, (g, x), {})
+        accumulating = [(p, i) for p in call.compiled.plans for i in impl_choices(p)
+                        if "into=True" in plan_code(p, i)]
+        assert accumulating, type(layer).__name__
+        for plan, impls in accumulating:
+            for _ in range(3):
+                out = run_plan(call, plan, impls)
+                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+                for a, b in zip(grads(out, [x] + list(layer.parameters())), ref_grads):
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert torch.equal(x.detach(), x0)
+
+
 def test_tagconv_with_many_hops_falls_back_with_reason():
     g = GRAPHS["undirected"]()
     layer = TAGConv(4, 3, k=8)

@@ -5,13 +5,18 @@ from granii.kernels.registry import register
 
 
 @register("gemm", "torch")
-def gemm_torch(x, w, c=None):
+def gemm_torch(x, w, c=None, into=False):
     """``Y = X W`` for ``X`` of shape ``(n, k_in)`` and ``W`` of shape ``(k_in, k_out)``; with
-    ``c`` (``(n, k_out)`` or a ``(k_out,)`` row), ``Y = c + X W`` in one pass (``addmm``)."""
+    ``c`` (``(n, k_out)`` or a ``(k_out,)`` row), ``Y = c + X W`` in one pass (``addmm``).
+    ``into``: ``c`` is a fresh result no one else reads, so an ``(n, k_out)`` one is accumulated
+    into in place, without the copy of it ``addmm`` makes first."""
     if c is None:
         return x @ w
     if x.dim() != 2:
         return c + x @ w
+    if into and c.shape == (x.shape[0], w.shape[1]) and c.is_contiguous() and \
+            c.dtype == x.dtype == w.dtype:
+        return c.addmm_(x, w)
     return torch.addmm(c, x, w)
 
 

@@ -95,15 +95,15 @@ class _SparseRowsMM(torch.autograd.Function):
         return dx, dw, dc
 
 
-def gemm_native(x, w, c=None):
-    """``Y = X W`` (``+ C``) as ``gemm_torch``; reads only the nonzeros of ``X`` when a sample
-    of its rows says it is mostly zeros (see the module docstring)."""
+def gemm_native(x, w, c=None, into=False):
+    """``Y = X W`` (``+ C``) as ``gemm_torch`` (``into`` as there); reads only the nonzeros of
+    ``X`` when a sample of its rows says it is mostly zeros (see the module docstring)."""
     if w.dim() == 2 and w.dtype == x.dtype and mostly_zero(x):
         n, m = x.shape[0], w.shape[1]
         if c is None or (c.dtype == x.dtype and tuple(c.shape) in ((m,), (n, m))):
             return _SparseRowsMM.apply(x, w.contiguous(),
                                        None if c is None else c.contiguous())
-    return gemm_torch(x, w, c)
+    return gemm_torch(x, w, c, into)
 
 
 if AVAILABLE:

@@ -7,8 +7,9 @@ unfused sequence, so fusing never removes a choice.
 
     normalised SpMM   row_scale(d_dst, spmm(row_scale(d_src, X)))       -> spmm_norm(d_dst, d_src, X)
                       spmm_weighted(sddmm_scale(d_dst, 1, d_src), X)    -> spmm_norm(d_dst, d_src, X)
-                      (either scale may be absent; ``+ bias`` and a ReLU that follow are applied as
-                      each output row is written)
+                      (either scale may be absent; ``+ bias``, ``+ R`` (a matrix: SAGE's self term,
+                      GIN's (1 + eps) X) and a ReLU that follow are applied as each output row is
+                      written)
     shared GEMM       X W_1 [+ b_1], X W_2 [+ b_2]                      -> X [W_1 W_2] [+ [b_1 b_2]], split
                       (one split, so the backward writes [dY_1 dY_2] once instead of zero-filling
                       the packed width for each block)
@@ -111,8 +112,9 @@ def _rebuild(plan, steps, suffix):
 
 def fuse_normalised_spmm(plan):
     """Every unweighted SpMM with the degree scales around it, and every weighted SpMM whose edge
-    values are the once-per-graph ``d_dst[v] d_src[u]``, as one ``spmm_norm`` step; then a bias
-    row added to it and a ReLU applied to that, when nothing else uses the intermediate."""
+    values are the once-per-graph ``d_dst[v] d_src[u]``, as one ``spmm_norm`` step; then the
+    adds and the ReLU that follow it as its epilogue (``_epilogue``), when nothing else uses the
+    intermediate. A plain SpMM followed by an add becomes an ``spmm_norm`` without scales."""
     by_var = {st.var: st for st in plan.steps}
     uses = _uses(plan)
 
@@ -138,8 +140,8 @@ def fuse_normalised_spmm(plan):
             if degree_scale(user, st.var, st.when):
                 d_dst, last = user.args[0], user
                 gone.add(st.var)
-            if d_src is None and d_dst is None:
-                continue
+            if d_src is None and d_dst is None and getattr(only_user(st.var), "prim", None) != "add":
+                continue        # a plain SpMM fuses only to take an add as its epilogue
         elif st.prim == "spmm_weighted":
             w = by_var.get(st.args[0])
             if w is None or w.prim != "sddmm_scale" or w.args[1] is not None:
@@ -157,41 +159,62 @@ def fuse_normalised_spmm(plan):
     return _rebuild(plan, steps, "n")
 
 
-# Fused steps that write a bias row [and a ReLU] as each output row is written: their number of
-# arguments without the epilogue, and whether they apply a ReLU.
-_EPILOGUES = {"spmm_norm": (3, True), "gat_aggregate": (5, False)}
+# Fused steps that apply what follows them as each output row is written: the argument position
+# of each epilogue term they take. spmm_norm: act(D_dst A D_src X + bias + R); gat_aggregate:
+# + bias.
+_EPILOGUES = {"spmm_norm": {"bias": 3, "act": 4, "res": 5}, "gat_aggregate": {"bias": 5}}
 
 
 def _epilogue(plan, steps):
-    """``spmm_norm`` + bias row [-> ReLU], ``gat_aggregate`` + bias row, written by the fused
-    step itself."""
-    by_var = {st.var: st for st in steps}
-    uses = _uses(replace(plan, steps=steps))
-    out = list(steps)
-    for st in steps:
-        n_args, relu = _EPILOGUES.get(st.prim, (None, False))
-        if n_args is None or st.when != EVERY or len(st.args) > n_args:
-            continue
-        users = uses.get(st.var, ())
-        if len(users) != 1 or users[0] is None or users[0].prim != "add":
-            continue
-        add = users[0]
-        other = add.args[1] if add.args[0] == st.var else add.args[0]
-        leaf = plan.leaves.get(other)
-        if leaf is None or leaf.rows != "1" or leaf.cols == "1" or leaf.source[0] != "param":
-            continue
-        new = replace(st, var=add.var, args=st.args + (other,), key=add.key)
-        act_users = uses.get(add.var, ())
-        if relu and len(act_users) == 1 and act_users[0] is not None and act_users[0].prim == "apply":
-            ref = plan.applies.get(act_users[0].var, ())
-            fn = ref[1] if ref and ref[0] == "function" else (ref[2] if len(ref) > 2 else None)
-            if any(fn is r for r in _RELUS):
-                new = replace(new, var=act_users[0].var, args=new.args + ("'relu'",),
-                              key=act_users[0].key)
-                out.remove(by_var[act_users[0].var])
-        out[out.index(st)] = new
-        out.remove(add)
-    return out
+    """Fold into each fused step (``_EPILOGUES``) the adds and the ReLU that follow it, when
+    nothing else reads what they add to: a bias row (a parameter of one row), a residual (a
+    dense matrix of the result's shape: SAGE's self term, GIN's ``(1 + eps) X``), then a ReLU.
+    Adds commute, so the bias and the residual fold in either order, both before the ReLU.
+    A residual folded into a once-per-input aggregation makes it run on every call: another
+    candidate, priced as such."""
+    while True:
+        uses = _uses(replace(plan, steps=steps))
+        for st in steps:
+            slots = _EPILOGUES.get(st.prim)
+            users = uses.get(st.var, ())
+            if slots is None or len(users) != 1 or users[0] is None:
+                continue
+            user = users[0]
+            args = list(st.args) + [None] * (max(slots.values()) + 1 - len(st.args))
+            if "act" in slots and args[slots["act"]] is not None:
+                continue
+            slot, value = _epilogue_term(plan, st, user)
+            if slot not in slots or args[slots[slot]] is not None or \
+                    (st.when != EVERY and slot != "res"):
+                continue
+            args[slots[slot]] = value
+            while args and args[-1] is None:
+                args.pop()
+            # at the user's place: what it adds may be computed after the fused step
+            new = replace(st, var=user.var, args=tuple(args), when=EVERY, key=user.key)
+            steps = [new if x is user else x for x in steps if x is not st]
+            break
+        else:
+            return steps
+
+
+def _epilogue_term(plan, st, user):
+    """``(slot, argument)`` of what ``user`` does to the result of ``st``, or ``(None, None)``."""
+    if user.when != EVERY:
+        return None, None
+    if user.prim == "apply":
+        ref = plan.applies.get(user.var, ())
+        fn = ref[1] if ref and ref[0] == "function" else (ref[2] if len(ref) > 2 else None)
+        return ("act", "'relu'") if any(fn is r for r in _RELUS) else (None, None)
+    if user.prim != "add" or user.args[0] == user.args[1]:
+        return None, None
+    other = user.args[1] if user.args[0] == st.var else user.args[0]
+    leaf = plan.leaves.get(other)
+    if leaf is not None and leaf.rows == "1" and leaf.cols != "1" and leaf.source[0] == "param":
+        return "bias", other
+    if leaf is None or (leaf.kind == "dense" and "1" not in (leaf.rows, leaf.cols)):
+        return "res", other
+    return None, None
 
 
 def _drop_unused(steps, out_var):

@@ -63,14 +63,23 @@ def test_gin_tree_counts():
     """((1+eps) H + A H) W: kept as is (1 tree), or distributed to (1+eps) H W + A H W where each
     product has 2 trees (4); 5 in all. Pruning keeps aggregate-first for k_in < k_out and
     update-first (H W shared by both terms) for k_in >= k_out; the mixed ones need two GEMMs.
-    The paper counts 8 and 4 for GIN: its GIN also folds (1 + eps) I into the adjacency."""
+    The paper counts 8 and 4 for GIN: its GIN also folds (1 + eps) I into the adjacency.
+    Each promoted plan has a fused variant whose aggregation adds ``(1 + eps) H`` (or its
+    product) as each row is written."""
     from granii.dispatch import compile_layer as _compile
     g = GRAPHS["directed"]()
     layer = GINConv(nn.Linear(4, 3), "sum")
     comp = _compile(layer, frozenset(), False, {"graph": g, "feat": torch.randn(40, 4),
                                                 "self": layer})
     assert (comp.n_trees, comp.n_promoted) == (5, 2)
-    assert sorted(p.scenarios for p in comp.plans) == [("<",), (">=",)]
+    promoted, fused = comp.plans[:comp.n_promoted], comp.plans[comp.n_promoted:]
+    assert sorted(p.scenarios for p in promoted) == [("<",), (">=",)]
+    assert sorted(p.index for p in fused) == sorted(f"{p.index}n" for p in promoted)
+    for plan in fused:
+        prims = [s.prim for s in plan.steps]
+        assert "add" not in prims and "spmm" not in prims, prims
+        (agg,) = [s for s in plan.steps if s.prim == "spmm_norm"]
+        assert agg.args[:2] == (None, None) and len(agg.args) == 6, agg.args
 
 
 @pytest.mark.parametrize("k_in,k_out,orders", [(6, 6, 2), (6, 3, 1), (3, 6, 1)])
@@ -86,7 +95,7 @@ def test_equal_widths_let_both_orders_compete(k_in, k_out, orders):
     with torch.no_grad():
         call = prepare(new_state(layer), layer, (g, torch.randn(g.num_nodes(), k_in)), {})
     ranked = rank(call.compiled.plans, call.gi, call.symbols, AnalyticalCost())
-    assert len({c.plan.index for c in ranked}) == orders
+    assert len({str(c.plan.index).rstrip("ghn") for c in ranked}) == orders   # fused variants aside
     assert len({c.plan.scenarios for c in ranked}) == orders
 
 

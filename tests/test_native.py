@@ -265,6 +265,39 @@ def test_spmm_norm(graph, dtype, act):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", [None, "relu"])
+def test_spmm_norm_residual(graph, dtype, act):
+    """``act(D_dst A D_src X + bias + R)`` with ``R`` a column block of a wider matrix (rows of
+    another stride, as the self term split from a shared GEMM): the gradient reaches ``R``."""
+    gi, a = graph_info(graph), _dense(graph)
+    m = graph.num_dst_nodes()
+    d_dst = graph.in_degrees().double().clamp(min=1).pow(-1)
+    x, bias, wide = torch.randn(graph.num_src_nodes(), 20), torch.randn(20), torch.randn(m, 28)
+
+    def ref(x, dd, b, wide):
+        y = dd[:, None] * (a @ x) + b + wide[:, 8:]
+        return torch.relu(y) if act else y
+
+    for impl in kernels.implementations("spmm_norm"):
+        f = kernels.get("spmm_norm", impl)
+        _compare(lambda x, dd, b, wide: f(gi, dd, None, x, b, act, wide[:, 8:]), ref,
+                 [x, d_dst, bias, wide], dtype)
+        _compare(lambda x, wide: f(gi, None, None, x, None, None, wide[:, 8:]),
+                 lambda x, wide: a @ x + wide[:, 8:], [x, wide], dtype)
+
+
+@needs_native
+def test_spmm_norm_residual_of_another_shape_broadcasts_as_torch_adds():
+    g = _random()
+    gi, a = graph_info(g), _dense(g).float()
+    x = torch.randn(g.num_src_nodes(), 6)
+    for res in (torch.randn(1, 6), torch.randn(6), torch.randn(g.num_dst_nodes(), 6).double()):
+        got = native.spmm_norm_native(gi, None, None, x, None, "relu", res)
+        torch.testing.assert_close(got, torch.relu(a @ x + res).to(got.dtype), atol=1e-5, rtol=1e-5)
+
+
+@needs_native
 def test_spmm_norm_variants():
     g = _empty_rows()
     gi, a = graph_info(g), _dense(g)
@@ -330,11 +363,16 @@ def test_split_rows_every_part_count(dtype):
     want = torch.relu(rs[:, None, None] * torch.einsum("vuh,uhk->vhk", aw, cs[:, None, None] * x)
                       + bias.reshape(2, 19))
     want_plain = torch.einsum("vu,uhk->vhk", a, x)
+    res = torch.randn(n, 38, dtype=torch.float64)
+    want_res = torch.relu(want_plain.reshape(n, 38) + bias + res).reshape(n, 2, 19)
     for parts in (1, 2, 3, 5, 8, 33, 200, 2000):
         cast = lambda t: t.to(dtype)
         got = torch.ops.granii.spmm_csr(idx.indptr, idx.indices, cast(x), cast(w), idx.eids,
                                         cast(rs), cast(cs), cast(bias), 1, parts)
         torch.testing.assert_close(got.double(), want, **_tol(dtype))
+        got = torch.ops.granii.spmm_csr(idx.indptr, idx.indices, cast(x), bias=cast(bias), act=1,
+                                        parts=parts, res=cast(res))
+        torch.testing.assert_close(got.double(), want_res, **_tol(dtype))
         got = torch.ops.granii.spmm_csr(idx.indptr, idx.indices, cast(x), parts=parts)
         torch.testing.assert_close(got.double(), want_plain, **_tol(dtype))
         dy = torch.randn(n, 2, 19, dtype=dtype)
@@ -446,6 +484,11 @@ def test_gradcheck(name):
     assert torch.autograd.gradcheck(lambda w, x: native.spmm_weighted_native(gi, w, x), (wh, xh))
     assert torch.autograd.gradcheck(
         lambda x, dd, ds, b: native.spmm_norm_native(gi, dd, ds, x, b, "relu"), (x, dd, ds, b))
+    r = torch.randn(m, 3, **f64)
+    assert torch.autograd.gradcheck(
+        lambda x, dd, b, r: native.spmm_norm_native(gi, dd, None, x, b, "relu", r), (x, dd, b, r))
+    assert torch.autograd.gradgradcheck(
+        lambda x, dd, r: native.spmm_norm_native(gi, dd, None, x, None, None, r), (x, dd, r))
     assert torch.autograd.gradgradcheck(lambda x: native.spmm_native(gi, x), (x,))
     assert torch.autograd.gradgradcheck(lambda w, x: native.spmm_weighted_native(gi, w, x), (wh, xh))
     assert torch.autograd.gradgradcheck(

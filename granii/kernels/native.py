@@ -3,15 +3,16 @@
 Implementation ``"native"`` of ``spmm``, ``spmm_weighted`` and ``spmm_mean`` (same signatures and
 semantics as the ``dgl`` and ``torch_csr`` ones in ``spmm.py``), and the primitive ``spmm_norm``::
 
-    spmm_norm(gi, d_dst, d_src, x, bias=None, act=None)
-        = act(diag(d_dst) A diag(d_src) X + bias)
+    spmm_norm(gi, d_dst, d_src, x, bias=None, act=None, res=None)
+        = act(diag(d_dst) A diag(d_src) X + bias + res)
 
 with ``d_dst`` ``(num_dst,)`` and ``d_src`` ``(num_src,)`` degree-power vectors (or ``None`` for
 the identity; ``degree_scales(gi, a, b)`` gives ``D_in^a`` and ``D_out^b`` once per graph), ``bias``
 of ``x.shape[1:]`` (or its number of elements) and ``act`` one of ``None``, ``"relu"`` (or
-``torch.relu`` / ``F.relu``). Implementations: ``"native"`` (one pass: the degree factors are read
-per row and per nonzero, bias and activation applied as each row is written; no E-sized value
-array, no extra N x k pass), ``"torch"`` (row scale, ``torch_csr`` product, row scale) and ``"dgl"``
+``torch.relu`` / ``F.relu``), ``res`` a matrix of the result's shape (a residual: SAGE's self term,
+GIN's ``(1 + eps) X``). Implementations: ``"native"`` (one pass: the degree factors are read per
+row and per nonzero, bias, residual and activation applied as each row is written; no E-sized
+value array, no extra N x k pass), ``"torch"`` (row scale, ``torch_csr`` product, row scale) and ``"dgl"``
 (GraphConv's sequence: row scale, ``copy_u_sum``, row scale).
 
 Every kernel is a torch operator (``torch.ops.granii.spmm_csr``, ``sddmm_dot_csr``) wrapped in an
@@ -185,30 +186,33 @@ class Values:
         return vals
 
 
-def _op(idx, x, val=None, rs=None, cs=None, bias=None, act=0):
-    """``act(diag(rs) M_val diag(cs) x + bias)`` with ``M`` the CSR ``idx``; ``x`` ``(n, H, K)``,
-    ``val`` ``(E, H)`` in the CSR order of ``M`` (``Values``)."""
-    return torch.ops.granii.spmm_csr(idx.indptr, idx.indices, x, val, None, rs, cs, bias, act)
+def _op(idx, x, val=None, rs=None, cs=None, bias=None, act=0, res=None):
+    """``act(diag(rs) M_val diag(cs) x + bias + res)`` with ``M`` the CSR ``idx``; ``x``
+    ``(n, H, K)``, ``val`` ``(E, H)`` in the CSR order of ``M`` (``Values``), ``res``
+    ``(rows, H K)``."""
+    return torch.ops.granii.spmm_csr(idx.indptr, idx.indices, x, val, None, rs, cs, bias, act, 0,
+                                     res)
 
 
 _OTHER = {"a": "at", "at": "a"}
 
 
 class _SpmmFn(torch.autograd.Function):
-    """``Y = act(diag(r) M_w diag(c) X + bias)`` with ``M`` = ``A`` (``which="a"``) or ``A^T``,
-    and its gradients in all tensor inputs.
+    """``Y = act(diag(r) M_w diag(c) X + bias + R)`` with ``M`` = ``A`` (``which="a"``) or
+    ``A^T``, and its gradients in all tensor inputs.
 
     ``x`` ``(cols, H, K)``; ``w`` ``(E, H)`` in edge-id order or None; ``r``/``c`` vectors or None;
-    ``bias`` ``(H * K,)`` or None. Backward (``P`` = gradient before the activation):
-    ``dX = diag(c) M_w^T diag(r) P`` (the same kernel on the transpose, scales swapped),
-    ``dw_e = r[v] c[u] <P[v], X[u]>``, ``dbias = sum_v P[v]``,
-    ``dr[v] = <P[v], (M_w diag(c) X)[v]>``, ``dc[u] = <X[u], (M_w^T diag(r) P)[u]>``.
+    ``bias`` ``(H * K,)`` or None; ``res`` (``R``) ``(rows, H * K)`` or None. Backward (``P`` =
+    gradient before the activation): ``dX = diag(c) M_w^T diag(r) P`` (the same kernel on the
+    transpose, scales swapped), ``dw_e = r[v] c[u] <P[v], X[u]>``, ``dbias = sum_v P[v]``,
+    ``dR = P``, ``dr[v] = <P[v], (M_w diag(c) X)[v]>``, ``dc[u] = <X[u], (M_w^T diag(r) P)[u]>``.
     The backward is made of these functions again, so double backward works too.
     """
 
     @staticmethod
-    def forward(ctx, x, w, r, c, bias, gi, act, which, vals):
-        y = _op(csr_index(gi, which), x, None if w is None else vals.get(which), r, c, bias, act)
+    def forward(ctx, x, w, r, c, bias, gi, act, which, vals, res=None):
+        y = _op(csr_index(gi, which), x, None if w is None else vals.get(which), r, c, bias, act,
+                res)
         ctx.gi, ctx.act, ctx.which, ctx.vals = gi, act, which, vals
         need_x = ctx.needs_input_grad[1] or ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         ctx.save_for_backward(x if need_x else None, w, r, c, y if act else None)
@@ -240,7 +244,10 @@ class _SpmmFn(torch.autograd.Function):
             dw = _SddmmFn.apply(pv.contiguous(), xu.contiguous(), gi, which)
         if need_b:
             dbias = p.sum(dim=0).reshape(-1)
-        return dx, dw, dr, dc, dbias, None, None, None, None
+        grads = (dx, dw, dr, dc, dbias, None, None, None, None)
+        if len(ctx.needs_input_grad) == len(grads):       # called without a residual
+            return grads
+        return grads + (p.reshape(p.shape[0], -1) if ctx.needs_input_grad[9] else None,)
 
 
 class _SddmmFn(torch.autograd.Function):
@@ -282,7 +289,7 @@ def _act_code(act):
         raise ValueError(f"granii: spmm_norm supports act None or 'relu', got {act!r}") from None
 
 
-def _run(gi, x, w=None, heads=1, d_dst=None, d_src=None, bias=None, act=0):
+def _run(gi, x, w=None, heads=1, d_dst=None, d_src=None, bias=None, act=0, res=None):
     user_w = w
     n = x.shape[0]
     width = 1
@@ -300,9 +307,25 @@ def _run(gi, x, w=None, heads=1, d_dst=None, d_src=None, bias=None, act=0):
                              f"{x3.shape[1] * x3.shape[2]} (the width of x)")
         bias = bias.reshape(-1).to(dt).contiguous()
     vals = None if w is None else Values(gi, w, user_w)
+    if res is not None:
+        r2 = _residual(res, gi.num_dst, x3)
+        if r2 is None:      # not of the result's shape or dtype: torch adds (broadcasts) it
+            y = _run(gi, x, user_w, heads, d_dst, d_src, bias) + res
+            return torch.relu(y) if act else y
+        res = r2
     y = _SpmmFn.apply(x3, w, _vec(d_dst, gi.num_dst, dt, "d_dst"),
-                      _vec(d_src, gi.num_src, dt, "d_src"), bias, gi, act, "a", vals)
+                      _vec(d_src, gi.num_src, dt, "d_src"), bias, gi, act, "a", vals, res)
     return y.reshape(gi.num_dst, *x.shape[1:])
+
+
+def _residual(res, rows, x3):
+    """``res`` as the kernel's ``(rows, H K)`` residual (rows of any stride), or None when it is
+    not of the result's shape and dtype."""
+    width = x3.shape[1] * x3.shape[2]
+    if res.dtype != x3.dtype or res.shape[:1] != (rows,) or res[0:1].numel() != width:
+        return None
+    r = res.reshape(rows, width)
+    return r if r.stride(1) == 1 else r.contiguous()
 
 
 def spmm_native(gi, x):
@@ -328,9 +351,9 @@ def spmm_mean_native(gi, x):
     return _run(gi, x2, d_dst=_mean_scale(gi, x2.dtype))
 
 
-def spmm_norm_native(gi, d_dst, d_src, x, bias=None, act=None):
-    """``act(diag(d_dst) A diag(d_src) X + bias)`` in one pass (see the module docstring)."""
-    return _run(gi, x, d_dst=d_dst, d_src=d_src, bias=bias, act=_act_code(act))
+def spmm_norm_native(gi, d_dst, d_src, x, bias=None, act=None, res=None):
+    """``act(diag(d_dst) A diag(d_src) X + bias + res)`` in one pass (see the module docstring)."""
+    return _run(gi, x, d_dst=d_dst, d_src=d_src, bias=bias, act=_act_code(act), res=res)
 
 
 class _HeadsFn(torch.autograd.Function):
@@ -374,7 +397,7 @@ def spmm_heads_native(gi, w, x):
 
 
 # -- reference implementations of spmm_norm -----------------------------------------------------------
-def _norm_sequence(spmm, gi, d_dst, d_src, x, bias, act):
+def _norm_sequence(spmm, gi, d_dst, d_src, x, bias, act, res):
     code = _act_code(act)
     tail = [1] * (x.dim() - 1)
     h = x if d_src is None else x * d_src.reshape(gi.num_src, *tail).to(x.dtype)
@@ -383,20 +406,24 @@ def _norm_sequence(spmm, gi, d_dst, d_src, x, bias, act):
         y = y * d_dst.reshape(gi.num_dst, *tail).to(y.dtype)
     if bias is not None:
         y = y + bias.reshape(x.shape[1:])
+    if res is not None:
+        y = y + (res.reshape(y.shape) if res.numel() == y.numel() else res)
     return torch.relu(y) if code == 1 else y
 
 
 @register("spmm_norm", "torch")
-def spmm_norm_torch(gi, d_dst, d_src, x, bias=None, act=None):
-    """``act(diag(d_dst) A diag(d_src) X + bias)``: row scale, ``torch_csr`` product, row scale."""
-    return _norm_sequence(_spmm.spmm_torch_csr, gi, d_dst, d_src, x, bias, act)
+def spmm_norm_torch(gi, d_dst, d_src, x, bias=None, act=None, res=None):
+    """``act(diag(d_dst) A diag(d_src) X + bias + res)``: row scale, ``torch_csr`` product, row
+    scale, adds."""
+    return _norm_sequence(_spmm.spmm_torch_csr, gi, d_dst, d_src, x, bias, act, res)
 
 
 @register("spmm_norm", "dgl")
-def spmm_norm_dgl(gi, d_dst, d_src, x, bias=None, act=None):
-    """``act(diag(d_dst) A diag(d_src) X + bias)``: GraphConv's row scale, ``copy_u_sum``, row
-    scale."""
-    return _norm_sequence(lambda g, h: dgl.ops.copy_u_sum(g.g, h), gi, d_dst, d_src, x, bias, act)
+def spmm_norm_dgl(gi, d_dst, d_src, x, bias=None, act=None, res=None):
+    """``act(diag(d_dst) A diag(d_src) X + bias + res)``: GraphConv's row scale, ``copy_u_sum``,
+    row scale, adds."""
+    return _norm_sequence(lambda g, h: dgl.ops.copy_u_sum(g.g, h), gi, d_dst, d_src, x, bias, act,
+                          res)
 
 
 if AVAILABLE:

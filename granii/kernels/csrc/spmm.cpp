@@ -1,11 +1,13 @@
 // SpMM family over CSR: Y = act(diag(rs) A_val diag(cs) X + bias), and the SDDMM-dot that gives
 // the gradient of the edge values.
 //
-//   granii::spmm_csr(indptr, indices, x, val, val_perm, row_scale, col_scale, bias, act, parts)
+//   granii::spmm_csr(indptr, indices, x, val, val_perm, row_scale, col_scale, bias, act, parts, res)
 //       x (n_cols, H, K); val (nnz, H) in CSR order, or in another order read through val_perm
 //       (val[val_perm[j]] for CSR entry j, e.g. DGL edge ids); row_scale (rows,), col_scale
-//       (n_cols,), bias (H * K,); act 0 = none, 1 = relu. Returns (rows, H, K):
-//       Y[r, h] = act(rs[r] * sum_{j in row r} val[j, h] * cs[col_j] * X[col_j, h] + bias[h]).
+//       (n_cols,), bias (H * K,); act 0 = none, 1 = relu; res (rows, H * K), rows of any stride.
+//       Returns (rows, H, K):
+//       Y[r, h] = act(rs[r] * sum_{j in row r} val[j, h] * cs[col_j] * X[col_j, h] + bias[h]
+//                     + res[r, h]).
 //       Every optional input may be None. The row and column scales are gathered per row and per
 //       nonzero: a normalised product D_dst^a A D_src^b X needs no E-sized value array and no extra
 //       N x K pass. Shared features: x (n_cols, 1, K) with val (nnz, H), H > 1, is read by every
@@ -60,6 +62,8 @@ struct SpmmArgs {
   const scalar_t* bias;   // (F,) or null
   int64_t act;
   scalar_t* y;            // (rows, H, K)
+  const scalar_t* res;    // (rows, F) with row stride res_stride, or null
+  int64_t res_stride;
 };
 
 // Vector registers as GCC/Clang vector types (the compiler maps them onto SSE, AVX2 or AVX-512,
@@ -102,12 +106,12 @@ constexpr int lanes() {
 
 // One tile of TW features of one (partial) row: out[0:TW] = sum_j s_j * x[col_j, 0:TW] with
 // s_j = val[j] * cs[col_j] (either factor may be absent); then, if fin, the epilogue
-// act(acc * rsv + bias).
+// act(acc * rsv + bias + res).
 template <int TW, bool HV, bool HC, typename scalar_t, typename index_t>
 inline void tile(const SpmmArgs<scalar_t, index_t>& a, const scalar_t* __restrict x,
                  const scalar_t* __restrict val, int64_t e0, int64_t e1,
                  scalar_t* __restrict out, bool fin, scalar_t rsv,
-                 const scalar_t* __restrict bias) {
+                 const scalar_t* __restrict bias, const scalar_t* __restrict res) {
   constexpr int L = lanes<scalar_t, TW>();
   constexpr int NV = TW / L;
   static_assert(NV * L == TW, "tile width must be a multiple of the vector lanes");
@@ -149,6 +153,10 @@ inline void tile(const SpmmArgs<scalar_t, index_t>& a, const scalar_t* __restric
     } else {
       for (int i = 0; i < NV; ++i) acc[i] *= rsv;
     }
+    if (res) {
+      const vec* rr = reinterpret_cast<const vec*>(res);
+      for (int i = 0; i < NV; ++i) acc[i] += rr[i];
+    }
     if (a.act == kActRelu) {
       for (int i = 0; i < NV; ++i) acc[i] = acc[i] < 0 ? vec{} : acc[i];
     }
@@ -162,13 +170,15 @@ inline void tile(const SpmmArgs<scalar_t, index_t>& a, const scalar_t* __restric
 template <bool HV, bool HC, typename scalar_t, typename index_t>
 inline void head_segment(const SpmmArgs<scalar_t, index_t>& a, int64_t xf0, int64_t f0,
                          int64_t width, const scalar_t* val, int64_t e0, int64_t e1, scalar_t* out,
-                         bool fin, scalar_t rsv) {
+                         bool fin, scalar_t rsv, const scalar_t* res) {
   const scalar_t* x = a.x + xf0;
   const scalar_t* bias = a.bias ? a.bias + f0 : nullptr;
+  if (res) res += f0;
   out += f0;
   int64_t f = 0;
-#define GRANII_TILE(TW)                                                              \
-  tile<TW, HV, HC>(a, x + f, val, e0, e1, out + f, fin, rsv, bias ? bias + f : nullptr); \
+#define GRANII_TILE(TW)                                                                  \
+  tile<TW, HV, HC>(a, x + f, val, e0, e1, out + f, fin, rsv, bias ? bias + f : nullptr, \
+                   res ? res + f : nullptr);                                             \
   f += TW;
   for (; f + GRANII_SPMM_TILE <= width;) {
     GRANII_TILE(GRANII_SPMM_TILE)
@@ -187,11 +197,14 @@ inline void head_segment(const SpmmArgs<scalar_t, index_t>& a, int64_t xf0, int6
 #undef GRANII_TILE
 }
 
-template <typename scalar_t>
-inline void epilogue(scalar_t* out, int64_t F, scalar_t rsv, const scalar_t* bias, int64_t act) {
-  for (int64_t f = 0; f < F; ++f) {
-    scalar_t v = out[f] * rsv + (bias ? bias[f] : scalar_t(0));
-    out[f] = (act == kActRelu && v < 0) ? scalar_t(0) : v;
+template <typename scalar_t, typename index_t>
+inline void epilogue(const SpmmArgs<scalar_t, index_t>& a, int64_t r) {
+  scalar_t* out = a.y + r * a.F;
+  const scalar_t rsv = a.rs ? a.rs[r] : scalar_t(1);
+  const scalar_t* res = a.res ? a.res + r * a.res_stride : nullptr;
+  for (int64_t f = 0; f < a.F; ++f) {
+    scalar_t v = out[f] * rsv + (a.bias ? a.bias[f] : scalar_t(0)) + (res ? res[f] : scalar_t(0));
+    out[f] = (a.act == kActRelu && v < 0) ? scalar_t(0) : v;
   }
 }
 
@@ -223,21 +236,23 @@ void spmm_run(const SpmmArgs<scalar_t, index_t>& a, int64_t parts, int64_t block
     for (int64_t ho = 0; ho < outer; ++ho) {
       for (int64_t f0 = 0; f0 < K; f0 += block) {
         const int64_t width = std::min(block, K - f0);
-        auto segment = [&](int64_t e0, int64_t e1, scalar_t* out, bool fin, scalar_t rsv) {
+        auto segment = [&](int64_t e0, int64_t e1, scalar_t* out, bool fin, scalar_t rsv,
+                           const scalar_t* res) {
           for (int64_t hi = 0; hi < inner; ++hi) {
             const int64_t h = ho + hi;
             head_segment<HV, HC>(a, (shared ? 0 : h * K) + f0, h * K + f0, width,
-                                 a.val ? a.val + h : nullptr, e0, e1, out, fin, rsv);
+                                 a.val ? a.val + h : nullptr, e0, e1, out, fin, rsv, res);
           }
         };
         int slot = 0;
         for (int64_t r = b.row; r < e.row; ++r) {
           const int64_t start = indptr[r], stop = indptr[r + 1];
           if (start >= b.nz) {
-            segment(start, stop, a.y + r * F, true, a.rs ? a.rs[r] : scalar_t(1));
+            segment(start, stop, a.y + r * F, true, a.rs ? a.rs[r] : scalar_t(1),
+                    a.res ? a.res + r * a.res_stride : nullptr);
           } else {  // began in an earlier part
             carry_row[p * 2 + slot] = r;
-            segment(b.nz, stop, carry.data() + (p * 2 + slot) * F, false, scalar_t(1));
+            segment(b.nz, stop, carry.data() + (p * 2 + slot) * F, false, scalar_t(1), nullptr);
             ++slot;
           }
         }
@@ -246,7 +261,7 @@ void spmm_run(const SpmmArgs<scalar_t, index_t>& a, int64_t parts, int64_t block
           const int64_t start = std::max<int64_t>(indptr[r], b.nz);
           if (e.nz > start) {
             carry_row[p * 2 + slot] = r;
-            segment(start, e.nz, carry.data() + (p * 2 + slot) * F, false, scalar_t(1));
+            segment(start, e.nz, carry.data() + (p * 2 + slot) * F, false, scalar_t(1), nullptr);
           }
         }
       }
@@ -260,23 +275,22 @@ void spmm_run(const SpmmArgs<scalar_t, index_t>& a, int64_t parts, int64_t block
     scalar_t* out = a.y + r * F;
     const scalar_t* c = carry.data() + s * F;
     if (r != last) {
-      if (last >= 0) {
-        epilogue(a.y + last * F, F, a.rs ? a.rs[last] : scalar_t(1), a.bias, a.act);
-      }
+      if (last >= 0) epilogue(a, last);
       std::copy(c, c + F, out);
       last = r;
     } else {
       for (int64_t f = 0; f < F; ++f) out[f] += c[f];
     }
   }
-  if (last >= 0) epilogue(a.y + last * F, F, a.rs ? a.rs[last] : scalar_t(1), a.bias, a.act);
+  if (last >= 0) epilogue(a, last);
 }
 
 at::Tensor spmm_csr(const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& x,
                     const c10::optional<at::Tensor>& val, const c10::optional<at::Tensor>& val_perm,
                     const c10::optional<at::Tensor>& row_scale,
                     const c10::optional<at::Tensor>& col_scale,
-                    const c10::optional<at::Tensor>& bias, int64_t act, int64_t parts) {
+                    const c10::optional<at::Tensor>& bias, int64_t act, int64_t parts,
+                    const c10::optional<at::Tensor>& res) {
   const char* name = "granii::spmm_csr";
   check_csr(indptr, indices, name);
   TORCH_CHECK(x.dim() == 3, name, ": x must be (n, H, K)");
@@ -318,6 +332,11 @@ at::Tensor spmm_csr(const at::Tensor& indptr, const at::Tensor& indices, const a
     check_dense(*bias, "bias", name, dtype);
     TORCH_CHECK(bias->numel() == H * K, name, ": bias must have H * K entries");
   }
+  if (res) {
+    TORCH_CHECK(res->scalar_type() == dtype && res->dim() == 2 && res->size(0) == rows &&
+                    res->size(1) == H * K && res->stride(1) == 1,
+                name, ": res must be (rows, H * K) of x's dtype with unit column stride");
+  }
   auto y = at::empty({rows, H, K}, x.options());
   if (rows == 0 || H * K == 0) return y;
   AT_DISPATCH_FLOATING_TYPES(dtype, "granii::spmm_csr", [&] {
@@ -338,7 +357,9 @@ at::Tensor spmm_csr(const at::Tensor& indptr, const at::Tensor& indices, const a
           col_scale ? col_scale->data_ptr<scalar_t>() : nullptr,
           bias ? bias->data_ptr<scalar_t>() : nullptr,
           act,
-          y.data_ptr<scalar_t>()};
+          y.data_ptr<scalar_t>(),
+          res ? res->data_ptr<scalar_t>() : nullptr,
+          res ? res->stride(0) : 0};
       const int64_t p = num_parts(parts, rows, nnz, H * K);
       const int64_t fb = feature_block<scalar_t>(0, ncols, K);
       if (a.val && a.cs) {
@@ -448,7 +469,7 @@ TORCH_LIBRARY_FRAGMENT(granii, m) {
   m.def(
       "spmm_csr(Tensor indptr, Tensor indices, Tensor x, Tensor? val=None, "
       "Tensor? val_perm=None, Tensor? row_scale=None, Tensor? col_scale=None, "
-      "Tensor? bias=None, int act=0, int parts=0) -> Tensor");
+      "Tensor? bias=None, int act=0, int parts=0, Tensor? res=None) -> Tensor");
   m.def(
       "sddmm_dot_csr(Tensor indptr, Tensor indices, Tensor? perm, Tensor a, Tensor b, "
       "int parts=0) -> Tensor");

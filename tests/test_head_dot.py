@@ -128,3 +128,27 @@ def test_under_inference_mode():
     assert y.is_inference()
     torch.testing.assert_close(y, reference(x, a.detach(), torch.zeros(30, 4))[0].float(),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["native", "torch"])
+def test_head_diag_carries_its_blocks_to_head_dot(impl):
+    """``plan.head_diag`` builds ``blockdiag(a_1 .. a_H)`` of a GAT attention parameter as one
+    broadcast product and keeps the blocks, which ``head_dot`` reads directly: the matrix equals
+    torch's block diagonal, and the scores and the parameter's gradient are those of reading
+    ``a`` off a plain block-diagonal matrix (no blocks attached)."""
+    from types import SimpleNamespace
+    from granii.plan import head_diag
+    torch.manual_seed(0)
+    attn = torch.randn(1, 4, 6, requires_grad=True)
+    d = head_diag(SimpleNamespace(attn_l=attn), "attn_l")
+    plain = block_diag(attn.reshape(4, 6))
+    assert not hasattr(plain, "heads")
+    torch.testing.assert_close(d, plain)
+    x, g = torch.randn(50, 24), torch.randn(50, 4)
+    fn = get("head_dot", impl)
+    y, y_plain = fn(x, d), fn(x, plain)
+    torch.testing.assert_close(y, y_plain)
+    (da,) = torch.autograd.grad(y, attn, g)
+    (da_plain,) = torch.autograd.grad(y_plain, attn, g)
+    torch.testing.assert_close(da, da_plain)
+    torch.testing.assert_close(da.reshape(4, 6), reference(x, attn.detach().reshape(4, 6), g)[2].float())

@@ -24,13 +24,22 @@ def gemm_torch(x, w, c=None, into=False):
 def head_dot_torch(x, d):
     """``Y = X blockdiag(a_1 .. a_H)`` for ``d`` that block diagonal (H F x H), ``X`` (n, H F):
     ``Y[i, h] = sum_f X[i, h F + f] a_h[f]``, a dot product per head (GAT's attention scores):
-    F multiply-adds per output instead of the dense product's H F. ``a`` is read off ``d`` (each
-    of its rows holds one entry), so gradients reach the attention parameter through ``d``."""
+    F multiply-adds per output instead of the dense product's H F. ``a`` is ``head_blocks(d)``,
+    so gradients reach the attention parameter through the blocks or through ``d``."""
     heads = d.shape[1]
     if heads == 1:      # a matrix-vector product: one pass over X, no X-sized temporary
         return x @ d
-    a = d.sum(1).reshape(heads, -1)
+    a = head_blocks(d)
     return (x.reshape(x.shape[0], heads, a.shape[1]) * a).sum(-1)
+
+
+def head_blocks(d):
+    """The blocks ``a_h`` of ``d = blockdiag(a_1 .. a_H)`` as an (H, F) matrix: those it was made
+    from (``plan.head_diag`` keeps them as ``d.heads``), else summed out of it."""
+    blocks = getattr(d, "heads", None)
+    if isinstance(blocks, torch.Tensor) and blocks.shape == (d.shape[1], d.shape[0] // d.shape[1]):
+        return blocks
+    return d.sum(1).reshape(d.shape[1], -1)
 
 
 @register("row_scale", "torch")

@@ -11,13 +11,13 @@ torch's version (``dense.head_dot_torch``) writes an ``(n, H, F)`` product and s
 ``f``; its backward writes another ``(n, H F)`` temporary for ``da`` and reduces it over the rows.
 Measured inside granii's memory pool (``results/kernels/head_dot.md``, ``scripts/bench_head_dot``)
 at the sizes of DGL's GAT examples, this kernel ran the forward 1.6-2.4x and forward + backward
-1.4-2.6x faster. ``a`` is read off ``d`` as in torch's version, so the gradient reaches the
-attention parameter through ``d``.
+1.4-2.6x faster. ``a`` is read as in torch's version (``head_blocks``), so the gradient reaches
+the attention parameter.
 """
 import torch
 
 from granii.kernels import native
-from granii.kernels.dense import head_dot_torch
+from granii.kernels.dense import head_blocks, head_dot_torch
 from granii.kernels.registry import register
 
 AVAILABLE = native.AVAILABLE and hasattr(torch.ops.granii, "head_dot")
@@ -44,7 +44,7 @@ def head_dot_native(x, d):
     heads = d.shape[1]
     if heads == 1 or x.dtype != d.dtype or x.dtype not in (torch.float32, torch.float64):
         return head_dot_torch(x, d)
-    a = d.sum(1).reshape(heads, d.shape[0] // heads).contiguous()
+    a = head_blocks(d).contiguous()
     x = x.reshape(x.shape[0], d.shape[0]).contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or a.requires_grad):
         return _HeadDot.apply(x, a)

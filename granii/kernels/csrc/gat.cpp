@@ -763,6 +763,7 @@ void gather_row_sum(const I* indptr, const I* eids, const T* x, int64_t rows, in
 template <typename Fn>
 void dispatch_width(int64_t F, const Fn& fn) {
   switch (F) {
+    case 4: fn(std::integral_constant<int, 4>()); break;
     case 8: fn(std::integral_constant<int, 8>()); break;
     case 16: fn(std::integral_constant<int, 16>()); break;
     case 32: fn(std::integral_constant<int, 32>()); break;

@@ -15,6 +15,7 @@ nothing about 8, and a new torch or DGL release changes kernels. The fingerprint
 and its id is the first 12 hex digits of the SHA-256 of these fields as sorted JSON: the name of the
 folder ``costmodels/<id>/`` holding this machine's models.
 """
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -25,6 +26,7 @@ FIELDS = ("cpu_model", "isa", "cores", "threads", "torch", "dgl", "xgboost")
 ISA_ORDER = ("avx512f", "avx2", "avx", "sse4_2", "asimd", "neon")   # widest first
 
 
+@functools.lru_cache(maxsize=None)   # read once a process: every granii(...) call asks
 def cpu_model():
     """The processor's model string: first ``model name`` of /proc/cpuinfo, else the platform's."""
     try:
@@ -38,6 +40,7 @@ def cpu_model():
     return platform.processor() or platform.machine() or "unknown"
 
 
+@functools.lru_cache(maxsize=None)
 def isa():
     """The first of ``ISA_ORDER`` in the processor's flags (/proc/cpuinfo ``flags`` or
     ``Features``), else the machine architecture."""
@@ -53,6 +56,7 @@ def isa():
     return platform.machine() or "unknown"
 
 
+@functools.lru_cache(maxsize=None)
 def _version(package):
     """The installed version of ``package``, read from its metadata (importing xgboost would
     import scikit-learn and scipy: two seconds on the first call of a model)."""

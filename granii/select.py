@@ -153,8 +153,8 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
         scale = 1 / PASSES["add"][1] if step.prim == "add" and any(
             _is_row(plan, a) for a in step.args) else 1.0
         for impl in step_impls(step):
-            t = scale * step_seconds(model, step.prim, impl, gi, dims, _heads(plan),
-                                     needed) + extra
+            prim, need = _priced_as(step, impl, needed)
+            t = scale * step_seconds(model, prim, impl, gi, dims, _heads(plan), need) + extra
             if (step.prim, impl) == ("gemm", "native"):       # reads X's nonzeros only
                 t *= sparse_rows.time_ratio(_density(plan, symbols, step.args[0]))
             amortised = step.when == GRAPH or (step.when == INPUT and cacheable)
@@ -166,6 +166,18 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
         rows.append((step, impl, t))
         total += t
     return Choice(plan, tuple(impls), total, rows, tuple(alts))
+
+
+def _priced_as(step, impl, needed):
+    """``(primitive, needed)`` whose model prices ``step`` run by ``impl``. The native
+    normalised SpMM without a source scale (SAGE's mean, GIN's sum with its residual) runs the
+    unweighted SpMM's loop, the destination scale and the adds applied as each row is written:
+    an SpMM's cost. ``spmm_norm``'s own models were profiled with both scales, whose source
+    factor, read per nonzero, made them price it up to twice the SpMM and its row scaling
+    (measured: 0.6-0.7x of those on GitHub and PubMed blocks)."""
+    if step.prim == "spmm_norm" and impl == "native" and step.args[1] is None:
+        return "spmm", tuple(0 for i in needed if i == 2)      # x: spmm's operand 0
+    return step.prim, needed
 
 
 def step_seconds(model, prim, impl, gi, dims, heads=1, needed=()):

@@ -322,7 +322,8 @@ def _residual(res, rows, x3):
     """``res`` as the kernel's ``(rows, H K)`` residual (rows of any stride), or None when it is
     not of the result's shape and dtype."""
     width = x3.shape[1] * x3.shape[2]
-    if res.dtype != x3.dtype or res.shape[:1] != (rows,) or res[0:1].numel() != width:
+    if res.dtype != x3.dtype or res.dim() < 2 or res.shape[:1] != (rows,) or \
+            res[0:1].numel() != width:
         return None
     r = res.reshape(rows, width)
     return r if r.stride(1) == 1 else r.contiguous()

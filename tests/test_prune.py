@@ -117,3 +117,43 @@ def test_a_bias_added_after_the_aggregation_is_priced_as_a_pass():
             c = price(plan, call.gi, call.symbols, OnlyPasses(), False, False, 1)
             costs[plan.composition()] = c.cost
     assert costs == {"sddmm_scale -> gemm -> spmm_weighted": 1.0, "gemm -> spmm_norm": 0.0}
+
+
+def test_scale_free_native_spmm_norm_is_priced_as_the_spmm_it_runs():
+    """SAGEConv's mean as ``spmm_norm(D_in^-1, None, X)`` runs the native SpMM's unweighted loop
+    with the scale in its epilogue, so its native implementation is priced by the SpMM's model;
+    GraphConv's, with a source scale read per nonzero, by spmm_norm's own; other implementations
+    by theirs."""
+    import pytest
+    import torch
+    from dgl.nn import GraphConv, SAGEConv
+    from granii.dispatch import new_state, prepare
+    from granii.kernels import native
+    from granii.select import price
+    from graphs import undirected
+
+    if not native.AVAILABLE:
+        pytest.skip("native kernels not built")
+
+    class PerPrimitive:
+        name = "per primitive"
+
+        def predict(self, prim, impl, gi, dims):
+            if prim == "spmm_norm":
+                return 10.0 if impl == "native" else 100.0
+            return 1.0 if prim == "spmm" else 0.0
+
+    g = undirected()
+    priced = {}
+    for layer in (SAGEConv(8, 4, "mean"), GraphConv(8, 4, norm="both")):
+        with torch.no_grad():
+            call = prepare(new_state(layer, "conv"), layer, (g, torch.randn(g.num_nodes(), 8)), {})
+        for plan in call.compiled.plans:
+            for step in plan.steps:
+                if step.prim != "spmm_norm":
+                    continue
+                c = price(plan, call.gi, call.symbols, PerPrimitive(), False, False, 1)
+                for st, impl, t in c.step_costs:
+                    if st is step:
+                        priced[(type(layer).__name__, step.args[1] is None, impl)] = t
+    assert priced == {("SAGEConv", True, "native"): 1.0, ("GraphConv", False, "native"): 10.0}

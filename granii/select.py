@@ -173,8 +173,8 @@ def _priced_as(step, impl, needed):
     normalised SpMM without a source scale (SAGE's mean, GIN's sum with its residual) runs the
     unweighted SpMM's loop, the destination scale and the adds applied as each row is written:
     an SpMM's cost. ``spmm_norm``'s own models were profiled with both scales, whose source
-    factor, read per nonzero, made them price it up to twice the SpMM and its row scaling
-    (measured: 0.6-0.7x of those on GitHub and PubMed blocks)."""
+    factor, read per nonzero, made them price it at up to 1.7x the SpMM and its row scaling
+    (measured: 0.45-0.8x of those on GitHub and PubMed blocks, k = 128 and 256)."""
     if step.prim == "spmm_norm" and impl == "native" and step.args[1] is None:
         return "spmm", tuple(0 for i in needed if i == 2)      # x: spmm's operand 0
     return step.prim, needed

@@ -45,6 +45,10 @@ TRIAL_MARGIN = 1.3       # plans predicted within this factor of the best are ti
 TRIAL_PLANS = 2          # at most this many plans take turns (with the layer's own forward)
 
 
+# argument positions of addends: GEMM's C in X W + C, spmm_norm's residual R
+ADDENDS = {"gemm": (2,), "spmm_norm": (5,)}
+
+
 @dataclass
 class Choice:
     plan: object
@@ -143,11 +147,10 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
         options = []
         needed = tuple(i for i, a in enumerate(step.args) if _base(a) in grad_vars)
         bias = tuple(i for i in needed if _is_row(plan, step.args[i]))
-        # an addend's gradient is the result's (add, GEMM's C in X W + C, spmm_norm's residual),
-        # a concatenation's the column blocks of it (views): nothing to compute
+        # an addend's gradient is the result's, a concatenation's the column blocks of it
+        # (views): nothing to compute
         needed = () if step.prim in ("add", "cat") else tuple(
-            i for i in needed if i not in bias and not (step.prim == "gemm" and i == 2)
-            and not (step.prim == "spmm_norm" and i == 5))
+            i for i in needed if i not in bias and i not in ADDENDS.get(step.prim, ()))
         extra = len(bias) * _column_sum_seconds(model, step.prim, gi, dims) if bias else 0.0
         # a bias add reads one matrix, not two: a row scaling's pass, not PASSES["add"]'s
         scale = 1 / PASSES["add"][1] if step.prim == "add" and any(

@@ -244,10 +244,9 @@ class _SpmmFn(torch.autograd.Function):
             dw = _SddmmFn.apply(pv.contiguous(), xu.contiguous(), gi, which)
         if need_b:
             dbias = p.sum(dim=0).reshape(-1)
-        grads = (dx, dw, dr, dc, dbias, None, None, None, None)
-        if len(ctx.needs_input_grad) == len(grads):       # called without a residual
-            return grads
-        return grads + (p.reshape(p.shape[0], -1) if ctx.needs_input_grad[9] else None,)
+        # without a residual there are nine inputs: autograd accepts the trailing None
+        dres = p.reshape(p.shape[0], -1) if any(ctx.needs_input_grad[9:]) else None
+        return dx, dw, dr, dc, dbias, None, None, None, None, dres
 
 
 class _SddmmFn(torch.autograd.Function):

@@ -242,10 +242,16 @@ class Trees:
         self.rows = np.arange(shape[0])[None, :]
 
     def _check_splits(self):
-        if self.feature.max(initial=0) >= max(self.num_features, 1):
+        if self.feature.max(initial=0) >= max(self.num_features, 1) or \
+                self.feature.min(initial=0) < 0:
             raise ValueError("a split reads a feature beyond num_feature")
+        width = self.left.shape[1]
+        for children in (self.left, self.right):
+            if children.max(initial=-1) >= width or children.min(initial=-1) < -1:
+                raise ValueError("a tree node points outside its tree")
 
     ARRAYS = ("left", "right", "feature", "cond", "default_left")
+    DTYPES = (np.int64, np.int64, np.int64, np.float32, np.bool_)
 
     @classmethod
     def from_arrays(cls, arrays):
@@ -275,10 +281,25 @@ class Trees:
         raise ValueError("a tree has a cycle")
 
     def predict(self, X, margin):
-        """``margin + sum of leaves`` for each row of ``X`` (shape ``(rows, num_features)``)."""
+        """``margin + sum of leaves`` for each row of ``X`` (shape ``(rows, num_features)``): by
+        the native walk (``csrc/forest.cpp``) when the extension is built, else by numpy (the
+        same leaves; the sums may differ in the last bit)."""
         X = np.asarray(X, dtype=np.float32)
         if X.ndim != 2 or X.shape[1] != self.num_features:
             raise ValueError(f"expected {self.num_features} features, got {X.shape}")
+        walk = _native_walk()
+        if walk is None:
+            return self.predict_numpy(X, margin)
+        import torch
+        if "_tensors" not in self.__dict__:
+            self._tensors = [torch.from_numpy(np.ascontiguousarray(getattr(self, name), dtype))
+                             for name, dtype in zip(self.ARRAYS, self.DTYPES)]
+        sums = walk(*self._tensors, torch.from_numpy(np.ascontiguousarray(X)), self.depth)
+        return np.asarray(margin, dtype=np.float64) + sums.numpy()
+
+    def predict_numpy(self, X, margin):
+        """``predict`` by numpy: all trees advance one level per step."""
+        X = np.asarray(X, dtype=np.float32)
         node = np.zeros((X.shape[0], self.left.shape[0]), dtype=np.int64)
         r = np.arange(X.shape[0])[:, None]
         for _ in range(self.depth):
@@ -289,6 +310,22 @@ class Trees:
             node = np.where(left < 0, node, np.where(go_left, left, right))
         leaves = self.cond[self.rows, node].astype(np.float64)
         return np.asarray(margin, dtype=np.float64) + leaves.sum(axis=1)
+
+
+def _native_walk():
+    """``torch.ops.granii.forest_predict`` when the native extension is loaded, else ``None``."""
+    if not _WALK:
+        try:
+            import torch
+            from .kernels import native
+            _WALK.append(getattr(torch.ops.granii, "forest_predict", None)
+                         if native.AVAILABLE else None)
+        except ImportError:         # no extension: numpy evaluates the trees
+            _WALK.append(None)
+    return _WALK[0]
+
+
+_WALK = []
 
 
 # -- the cost model ---------------------------------------------------------------------------------

@@ -594,3 +594,54 @@ def test_training_prices_a_bias_as_a_column_sum_and_a_packed_gemm_with_its_backw
             seen_bias |= bias
             seen_pack |= packed
     assert seen_bias and seen_pack
+
+
+
+def _tree_sets(model_dir):
+    """Every ensemble of the synthetic models, both phases, parsed."""
+    lc = load(model_dir)
+    return lc.trees.items() + lc.train_trees.items()
+
+
+def test_native_tree_walk_matches_numpy(model_dir):
+    if learned._native_walk() is None:
+        pytest.skip("native kernels not built")
+    rng = np.random.default_rng(1)
+    sets = _tree_sets(model_dir)
+    assert len(sets) > 4
+    for key, trees in sets:
+        X = rng.normal(0, 4, (40, trees.num_features)).astype(np.float32)
+        X[rng.random(X.shape) < 0.1] = np.nan              # missing values go by default_left
+        X[0, trees.feature[0, 0]] = trees.cond[0, 0]       # on the first split's boundary
+        margin = rng.normal(size=40)
+        np.testing.assert_allclose(trees.predict(X, margin), trees.predict_numpy(X, margin),
+                                   rtol=1e-13, atol=0, err_msg=str(key))
+
+
+def _with_child(model, side, value):
+    tree = next(t for t in model["learner"]["gradient_booster"]["model"]["trees"]
+                if max(t["left_children"]) >= 0)
+    inner = next(i for i, c in enumerate(tree["left_children"]) if c >= 0)
+    tree[side][inner] = value
+    return model
+
+
+def test_tree_pointing_outside_its_arrays_is_refused(model_dir):
+    text = (model_dir / "spmm__dgl.json").read_text()
+    for side, value in (("left_children", 10 ** 6), ("right_children", -7)):
+        with pytest.raises(ValueError, match="outside its tree"):
+            Trees(_with_child(json.loads(text), side, value))
+    good = Trees(json.loads(text))
+    arrays = {name: getattr(good, name).copy() for name in Trees.ARRAYS}
+    arrays["right"][0, 0] = arrays["right"].shape[1]
+    with pytest.raises(ValueError, match="outside its tree"):
+        Trees.from_arrays(dict(arrays, num_features=good.num_features, depth=good.depth))
+
+
+def test_damaged_tree_file_is_a_cost_model_error(copy_dir):
+    path = copy_dir / "spmm__dgl.json"
+    model = _with_child(json.loads(path.read_text()), "right_children", 10 ** 6)
+    path.write_text(json.dumps(model))
+    n_features = int(model["learner"]["learner_model_param"]["num_feature"])
+    with pytest.raises(CostModelError, match="damaged"):
+        learned.read_trees(path, n_features)

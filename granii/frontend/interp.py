@@ -11,8 +11,10 @@ construct; the caller then runs the original module.
 """
 import ast
 import builtins
+import functools
 import inspect
 import operator
+import re
 import textwrap
 
 import torch
@@ -31,6 +33,28 @@ _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast
            ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
 _SYMBOLIC = (Tensor, Edges, Degrees, Graph, Frame, Shape, GraphCondition, Method, Scalar,
              HeadProduct, ParamItem) + UDF_VALUES
+
+
+@functools.lru_cache(maxsize=32)
+def _lines(src):
+    return re.findall(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z", src)    # lines as ``ast`` splits them
+
+
+def source_segment(src, node):
+    """``ast.get_source_segment(src, node)``, with ``src`` split into lines once per source (the
+    standard function splits the whole source again at each call: a millisecond a layer)."""
+    try:
+        lines = _lines(src)
+        first, last = node.lineno - 1, node.end_lineno - 1
+        start, end = node.col_offset, node.end_col_offset
+    except (AttributeError, TypeError):
+        return None
+    if end is None or last >= len(lines):
+        return None
+    if first == last:
+        return lines[first].encode()[start:end].decode()
+    return "".join([lines[first].encode()[start:].decode(), *lines[first + 1:last],
+                    lines[last].encode()[:end].decode()])
 
 
 class _Return(Exception):
@@ -206,7 +230,7 @@ class Interpreter:
             raise RaisesForConfig("assertion fails for this configuration")
 
     def stmt_Raise(self, s):
-        raise RaisesForConfig(ast.get_source_segment(self.src, s) or "raise")
+        raise RaisesForConfig(source_segment(self.src, s) or "raise")
 
     def stmt_With(self, s):
         for item in s.items:
@@ -311,7 +335,7 @@ class Interpreter:
     def expr_BoolOp(self, e):
         vals = [self.eval(v) for v in e.values]
         if any(isinstance(v, _SYMBOLIC) for v in vals):
-            return GraphCondition(ast.get_source_segment(self.src, e) or "condition")
+            return GraphCondition(source_segment(self.src, e) or "condition")
         if isinstance(e.op, ast.And):
             return all(vals)
         return any(vals)
@@ -321,7 +345,7 @@ class Interpreter:
         if isinstance(v, _SYMBOLIC):
             if isinstance(e.op, ast.USub) and isinstance(v, Tensor):
                 return rules.scale(self, v, -1.0, e)
-            return GraphCondition(ast.get_source_segment(self.src, e) or "condition")
+            return GraphCondition(source_segment(self.src, e) or "condition")
         op = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos,
               ast.Invert: operator.invert}[type(e.op)]
         return op(v)
@@ -337,7 +361,7 @@ class Interpreter:
                     ok = (left is right) if isinstance(op, ast.Is) else (left is not right)
                     result = result and ok
                 else:
-                    return GraphCondition(ast.get_source_segment(self.src, e) or "comparison")
+                    return GraphCondition(source_segment(self.src, e) or "comparison")
             else:
                 result = result and _CMPOPS[type(op)](left, right)
             left = right

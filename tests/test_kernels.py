@@ -118,6 +118,31 @@ def test_gemm(primitive, impl):
     _check(kernels.get(primitive, impl), lambda x, w: x @ w, [torch.randn(7, 5), torch.randn(5, 3)])
 
 
+@pytest.mark.parametrize("primitive,impl", _impls("gemm"))
+@pytest.mark.parametrize("cols", [1, 2, 3, 8, 9, 16])
+def test_gemm_with_a_narrow_row_major_weight(primitive, impl, cols):
+    """A (k, 2..8) row-major weight is multiplied from a column-major copy: the same product,
+    with and without an addend, and the gradient reaches the weight itself."""
+    from granii.kernels.dense import column_major_if_narrow
+    torch.manual_seed(cols)
+    x = torch.randn(300, 40, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, cols, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(300, cols, dtype=torch.float64, requires_grad=True)
+    moved = column_major_if_narrow(w)
+    assert torch.equal(moved, w)
+    assert moved.stride() == ((1, 40) if 2 <= cols <= 8 else w.stride())
+    assert column_major_if_narrow(moved) is moved           # already column-major: no copy
+    f = kernels.get(primitive, impl)
+    for args, ref in (((x, w), lambda: x @ w), ((x, w, c), lambda: c + x @ w)):
+        out = f(*args)
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, args, g)
+        want = torch.autograd.grad(ref(), args, g)
+        torch.testing.assert_close(out, ref())
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("heads,width", [(1, 5), (4, 3), (8, 1)])
 def test_head_dot_is_the_product_with_the_block_diagonal(heads, width):
     """``X blockdiag(a_1 .. a_H)`` per head, with the gradients of ``X`` and of ``a`` (through

@@ -6,6 +6,7 @@ DataLoader workers; the fallback without the extension."""
 import os
 import shutil
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -575,3 +576,39 @@ def test_setup_without_compiler_succeeds():
                          text=True, timeout=120, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "native kernels not built: no C++ compiler" in out.stderr
+
+
+@needs_native
+def test_small_products_stay_on_one_thread_when_workers_sleep():
+    """Under OMP_WAIT_POLICY=PASSIVE (workers sleep after each region, so waking them costs more
+    than a small product) the kernels' serial threshold is 2^20 instead of 2^15, and a Cora-sized
+    SpMM and GAT aggregation then give what they give split between threads."""
+    code = (
+        "import sys, torch; sys.path.insert(0, %r)\n"
+        "from test_native import native, graph_info\n"
+        "from granii.kernels.native_gat import gat_fused_native\n"
+        "import dgl\n"
+        "torch.manual_seed(0); torch.set_num_threads(2)\n"
+        "g = dgl.graph(tuple(torch.randint(0, 2700, (2, 13000))), num_nodes=2700)\n"
+        "gi = graph_info(g)\n"
+        "x = torch.randn(2700, 32, requires_grad=True)\n"
+        "el, er = torch.randn(2700, 1, requires_grad=True), torch.randn(2700, 1)\n"
+        "dd, ds = native.degree_scales(gi, -0.5, -0.5)\n"
+        "y = native.spmm_norm_native(gi, dd, ds, x) + gat_fused_native(gi, el, er, x.view(2700, 1, 32), 0.2).view(2700, 32)\n"
+        "grads = torch.autograd.grad(y.square().sum(), [x, el])\n"
+        "torch.save([torch.ops.granii.serial_work(), y.detach()] + list(grads), sys.argv[1])\n"
+        % str(ROOT / "tests"))
+    results = {}
+    for policy in ("PASSIVE", None):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if policy:
+            env["OMP_WAIT_POLICY"] = policy
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "out.pt")
+            out = subprocess.run([sys.executable, "-c", code, path], capture_output=True,
+                                 text=True, timeout=120, cwd=ROOT, env=env)
+            assert out.returncode == 0, out.stderr[-2000:]
+            results[policy] = torch.load(path)
+    assert results["PASSIVE"][0] == 2 ** 20 and results[None][0] == 2 ** 15
+    for a, b in zip(results["PASSIVE"][1:], results[None][1:]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)

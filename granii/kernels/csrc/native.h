@@ -17,7 +17,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 namespace granii {
 
@@ -60,12 +63,28 @@ inline Coord merge_path_search(int64_t diagonal, const index_t* indptr, int64_t 
   return {lo, diagonal - lo};
 }
 
+// Work (multiply-adds, or (rows + nonzeros) x width) below which a kernel runs on the calling
+// thread. A parallel region wakes torch's OpenMP workers: about 5 us while they still spin after
+// the last region (libgomp's default), 35-50 us when they sleep at once (OMP_WAIT_POLICY=PASSIVE,
+// the benchmark's setting on this 2-core machine), more than a whole Cora-sized SpMM takes on
+// one thread (measured, Cora k = 32: 28 us on one thread, 60 us split in two under PASSIVE, 17 us
+// split in two with spinning workers; PubMed k = 16, 2 M: 299 against 186 us either way).
+inline int64_t serial_work() {
+  static const int64_t work = [] {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    std::string p = policy ? policy : "";
+    for (auto& c : p) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return p == "passive" ? int64_t{1} << 20 : int64_t{1} << 15;
+  }();
+  return work;
+}
+
 // Number of parts: `requested` if positive (tests use it to force splits), else the thread count;
 // one part when the whole product is too small for a parallel region to pay.
 inline int64_t num_parts(int64_t requested, int64_t rows, int64_t nnz, int64_t width) {
   if (requested > 0) return requested;
   const int64_t work = (rows + nnz) * std::max<int64_t>(width, 1);
-  if (work < (int64_t{1} << 15)) return 1;
+  if (work < serial_work()) return 1;
   return std::max<int64_t>(1, at::get_num_threads());
 }
 

@@ -112,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sparse_rows_mm(
   at::Tensor indices, values;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t parts =
-      n * k < (int64_t{1} << 15) ? 1 : std::max<int64_t>(1, std::min<int64_t>(n, 4 * threads));
+      n * k < serial_work() ? 1 : std::max<int64_t>(1, std::min<int64_t>(n, 4 * threads));
   std::vector<std::vector<int64_t>> cols(parts);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "sparse_rows_mm", [&] {
     std::vector<std::vector<scalar_t>> vals(parts);
@@ -205,7 +205,7 @@ at::Tensor sparse_rows_mm_wgrad(const at::Tensor& indptr, const at::Tensor& indi
     const scalar_t* gp = g.data_ptr<scalar_t>();
     const scalar_t* vp = values.data_ptr<scalar_t>();
     scalar_t* dp = dw.data_ptr<scalar_t>();
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(m, 1));
+    const int64_t grain = std::max<int64_t>(1, serial_work() / 2 / std::max<int64_t>(m, 1));
     at::parallel_for(0, k, grain, [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
         scalar_t* dr = dp + j * m;

@@ -20,6 +20,8 @@
 //       shared by the heads: out[., h] = <a[r, h], b[col_j, 0]>.
 //   granii::parallel_threads() -> int: the threads an at::parallel_for region of this extension
 //       runs with now (tests check that torch.set_num_threads is honoured).
+//   granii::serial_work() -> int: the work below which a kernel stays on the calling thread
+//       (native.h; it depends on OMP_WAIT_POLICY).
 //
 // Inner loops: the feature dimension is tiled with compile-time tile widths (64, then 32, 16, 8,
 // 4, 2, 1 for the remainder), so each tile's accumulator lives in vector registers while the
@@ -474,6 +476,7 @@ TORCH_LIBRARY_FRAGMENT(granii, m) {
       "sddmm_dot_csr(Tensor indptr, Tensor indices, Tensor? perm, Tensor a, Tensor b, "
       "int parts=0) -> Tensor");
   m.def("parallel_threads() -> int", &parallel_threads);
+  m.def("serial_work() -> int", &serial_work);
 }
 
 TORCH_LIBRARY_IMPL(granii, CPU, m) {

@@ -205,13 +205,14 @@ def parse_model_key(key):
 
 # -- tree ensembles --------------------------------------------------------------------------------
 class Trees:
-    """An XGBoost regression tree ensemble evaluated with numpy, from its JSON model.
+    """An XGBoost regression tree ensemble, from its JSON model, evaluated without XGBoost.
 
     Node ``i`` of a tree sends a row left when ``x[split_indices[i]] < split_conditions[i]``
     (compared in float32, as XGBoost does; a missing value goes by ``default_left``); a leaf
     (``left_children[i] == -1``) holds its value in ``split_conditions[i]``. The prediction is the
-    base margin plus the sum of the leaves reached. All trees advance one level per step, so a row
-    costs ``depth`` vectorised steps: tens of microseconds, no threads, deterministic.
+    base margin plus the sum of the leaves reached: walked tree by tree by the native extension
+    (about 5 us a row), or with numpy, all trees one level per step (``depth`` vectorised steps,
+    about 60 us a row); one thread, deterministic.
     """
 
     def __init__(self, model):

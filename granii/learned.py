@@ -30,6 +30,7 @@ another machine rescaled by a short calibration of this one (``granii.calibratio
 pair no model covers is priced by the analytical roofline with calibrated rates. Each of these
 substitutions is announced once.
 """
+import functools
 import hashlib
 import itertools
 import json
@@ -313,20 +314,15 @@ class Trees:
         return np.asarray(margin, dtype=np.float64) + leaves.sum(axis=1)
 
 
+@functools.lru_cache(maxsize=None)
 def _native_walk():
     """``torch.ops.granii.forest_predict`` when the native extension is loaded, else ``None``."""
-    if not _WALK:
-        try:
-            import torch
-            from .kernels import native
-            _WALK.append(getattr(torch.ops.granii, "forest_predict", None)
-                         if native.AVAILABLE else None)
-        except ImportError:         # no extension: numpy evaluates the trees
-            _WALK.append(None)
-    return _WALK[0]
-
-
-_WALK = []
+    try:
+        import torch
+        from .kernels import native
+    except ImportError:             # no extension: numpy evaluates the trees
+        return None
+    return getattr(torch.ops.granii, "forest_predict", None) if native.AVAILABLE else None
 
 
 # -- the cost model ---------------------------------------------------------------------------------

@@ -321,11 +321,17 @@ def _residual(res, rows, x3):
     """``res`` as the kernel's ``(rows, H K)`` residual (rows of any stride), or None when it is
     not of the result's shape and dtype."""
     width = x3.shape[1] * x3.shape[2]
-    if res.dtype != x3.dtype or res.dim() < 2 or res.shape[:1] != (rows,) or \
-            res[0:1].numel() != width:
+    if res.dtype != x3.dtype or not _one_row_each(res, rows, width):
         return None
     r = res.reshape(rows, width)
     return r if r.stride(1) == 1 else r.contiguous()
+
+
+def _one_row_each(res, rows, width):
+    """Whether ``res`` holds one row of ``width`` values for each of the result's ``rows`` (in
+    any trailing shape): then it is added row by row; anything else is added as torch
+    broadcasts it."""
+    return res.dim() >= 2 and res.shape[:1] == (rows,) and res[0:1].numel() == width
 
 
 def spmm_native(gi, x):
@@ -407,7 +413,8 @@ def _norm_sequence(spmm, gi, d_dst, d_src, x, bias, act, res):
     if bias is not None:
         y = y + bias.reshape(x.shape[1:])
     if res is not None:
-        y = y + (res.reshape(y.shape) if res.numel() == y.numel() else res)
+        by_row = _one_row_each(res, y.shape[0], y[0:1].numel())
+        y = y + (res.reshape(y.shape) if by_row else res)
     return torch.relu(y) if code == 1 else y
 
 

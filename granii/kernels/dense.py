@@ -1,6 +1,7 @@
 """Dense primitives."""
 import torch
 
+from granii.kernels import blas
 from granii.kernels.registry import register
 
 
@@ -9,8 +10,11 @@ def gemm_torch(x, w, c=None, into=False):
     """``Y = X W`` for ``X`` of shape ``(n, k_in)`` and ``W`` of shape ``(k_in, k_out)``; with
     ``c`` (``(n, k_out)`` or a ``(k_out,)`` row), ``Y = c + X W`` in one pass (``addmm``).
     ``into``: ``c`` is a fresh result no one else reads, so an ``(n, k_out)`` one is accumulated
-    into in place, without the copy of it ``addmm`` makes first."""
+    into in place, without the copy of it ``addmm`` makes first. A small product without ``c``
+    runs on the calling thread while torch's workers sleep (``blas``)."""
     w = column_major_if_narrow(w)
+    if c is None and blas.serial(x, w):
+        return blas.serial_mm(x, w)
     if c is None:
         return x @ w
     if x.dim() != 2:

@@ -92,6 +92,24 @@ def test_serial_product_and_its_gradients(sleeping_workers, dtype, grads):
 
 
 @needs_mkl
+@pytest.mark.parametrize("w_order", ["row", "column"])
+def test_serial_gradients_come_in_the_layout_of_torchs_own(sleeping_workers, w_order):
+    """The backward makes each gradient in the layout torch's own product backward gives it
+    (a column-major weight's gradient column-major: for 2-8 columns MKL made ``X^T dY`` five
+    times slower than ``(dY^T X)^T``)."""
+    torch.manual_seed(1)
+    x = torch.randn(300, 40, requires_grad=True)
+    w = (torch.randn(40, 4) if w_order == "row" else torch.randn(4, 40).t()).requires_grad_()
+    g = torch.randn(300, 4)
+    got = torch.autograd.grad(blas.serial_mm(x, w), (x, w), g)
+    want = torch.autograd.grad(x @ w, (x, w), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+        assert a.stride() == b.stride()
+    assert got[1].stride() == ((1, 40) if w_order == "column" else (4, 1))
+
+
+@needs_mkl
 def test_gemm_takes_the_serial_path_only_without_an_addend(sleeping_workers, monkeypatch):
     calls = []
     serial_mm = blas.serial_mm

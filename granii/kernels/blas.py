@@ -83,9 +83,19 @@ class _SerialMM(torch.autograd.Function):
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         with one_thread():
-            dx = dy @ w.t() if ctx.needs_input_grad[0] else None
-            dw = x.t() @ dy if ctx.needs_input_grad[1] else None
+            dx = _in_layout_of(x, dy, w.t()) if ctx.needs_input_grad[0] else None
+            dw = _in_layout_of(w, x.t(), dy) if ctx.needs_input_grad[1] else None
         return dx, dw
+
+
+def _in_layout_of(like, a, b):
+    """``A B``, made as ``(B^T A^T)^T`` when ``like`` is stored column by column, as torch's
+    own backward of a product does: the weight gradient of a ``(k, 2..8)`` column-major weight
+    (``dense.column_major_if_narrow``) as ``X^T dY`` took 1.36 ms, as ``(dY^T X)^T`` 0.26 ms
+    (``(4683 x 256)`` features, 4 columns)."""
+    if like.dim() == 2 and like.stride(0) == 1 and like.shape[1] > 1:
+        return (b.t() @ a.t()).t()
+    return a @ b
 
 
 def serial_mm(x, w):

@@ -53,6 +53,9 @@ def test_serial_only_below_the_bound_with_sleeping_workers_and_threads(sleeping_
     big = torch.randn(blas.SERIAL_MACS // 64 + 1, 8)
     assert not blas.serial(big, w)
     assert not blas.serial(small.reshape(64, 2, 4), w)
+    assert not blas.serial(small.to_sparse(), w)
+    assert not blas.serial(small.half(), w.half())
+    assert not blas.serial(small.double(), w)
     torch.set_num_threads(1)
     assert not blas.serial(small, w)
     torch.set_num_threads(2)
@@ -87,6 +90,7 @@ def test_serial_product_and_its_gradients(sleeping_workers, dtype, grads):
         torch.testing.assert_close(a, b)
     if dtype == torch.float64:
         assert torch.autograd.gradcheck(blas.serial_mm, (x, w))
+        assert torch.autograd.gradgradcheck(blas.serial_mm, (x, w))
     with torch.no_grad():
         assert not blas.serial_mm(x, w).requires_grad
 

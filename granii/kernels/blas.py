@@ -55,6 +55,8 @@ def workers_sleep():
 def serial(x, w):
     """Whether ``X W`` is small enough to run on the calling thread (see the module doc)."""
     return (x.dim() == 2 and w.dim() == 2 and x.device.type == "cpu"
+            and x.layout == w.layout == torch.strided
+            and x.dtype in (torch.float32, torch.float64) and w.dtype == x.dtype
             and x.shape[0] * x.shape[1] * w.shape[1] < SERIAL_MACS
             and workers_sleep() and torch.get_num_threads() > 1
             and _set_local_threads() is not None)

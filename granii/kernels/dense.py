@@ -13,10 +13,8 @@ def gemm_torch(x, w, c=None, into=False):
     into in place, without the copy of it ``addmm`` makes first. A small product without ``c``
     runs on the calling thread while torch's workers sleep (``blas``)."""
     w = column_major_if_narrow(w)
-    if c is None and blas.serial(x, w):
-        return blas.serial_mm(x, w)
     if c is None:
-        return x @ w
+        return blas.serial_mm(x, w) if blas.serial(x, w) else x @ w
     if x.dim() != 2:
         return c + x @ w
     if into and c.shape == (x.shape[0], w.shape[1]) and c.is_contiguous() and \

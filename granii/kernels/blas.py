@@ -48,7 +48,8 @@ def _set_local_threads():
 
 @functools.lru_cache(maxsize=None)
 def workers_sleep():
-    """True under ``OMP_WAIT_POLICY=PASSIVE`` (read once, as the OpenMP runtime does)."""
+    """True under ``OMP_WAIT_POLICY=PASSIVE`` (read once, case and surrounding spaces ignored, as
+    the OpenMP runtime and ``csrc/native.h``'s ``serial_work`` read it)."""
     return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
 
 

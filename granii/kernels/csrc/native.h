@@ -69,11 +69,16 @@ inline Coord merge_path_search(int64_t diagonal, const index_t* indptr, int64_t 
 // the benchmark's setting on this 2-core machine), more than a whole Cora-sized SpMM takes on
 // one thread (measured, Cora k = 32: 28 us on one thread, 60 us split in two under PASSIVE, 17 us
 // split in two with spinning workers; PubMed k = 16, 2 M: 299 against 186 us either way).
+// The variable is read as libgomp reads it (and granii/kernels/blas.py): case and surrounding
+// spaces ignored.
 inline int64_t serial_work() {
   static const int64_t work = [] {
     const char* policy = std::getenv("OMP_WAIT_POLICY");
-    std::string p = policy ? policy : "";
-    for (auto& c : p) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    std::string p;
+    for (const char* c = policy ? policy : ""; *c; ++c) {
+      if (!std::isspace(static_cast<unsigned char>(*c)))
+        p += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
+    }
     return p == "passive" ? int64_t{1} << 20 : int64_t{1} << 15;
   }();
   return work;

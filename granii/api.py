@@ -86,11 +86,17 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     Calling ``granii`` again on a model updates the options of its layers (and forgets their
     decisions); layers already optimized are not wrapped twice.
     """
-    if cost_model is None:
-        from .learned import default_cost_model
-        cost_model = default_cost_model()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"granii: the model must be a torch.nn.Module holding DGL layers, not "
+                        f"{type(model).__name__}")
+    cost_model = _checked_cost_model(cost_model)
     if isinstance(decisions, (str, os.PathLike)):
         decisions = load_decisions(decisions)
+    elif isinstance(decisions, dict) and "layers" in decisions and "format" in decisions:
+        decisions = _saved_layers(decisions, "the dict given")     # save_decisions' whole result
+    _check_options(expected_calls, memory_limit, decisions,
+                   dict(inspect_now=inspect_now, per_batch=per_batch, reuse_inputs=reuse_inputs,
+                        tune=tune, deterministic=deterministic))
     opts = Options(cost_model, expected_calls, per_batch, reuse_inputs,
                    tune and not deterministic and decisions is None, decisions, memory_limit)
     layers = find_layers(model)
@@ -120,9 +126,49 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
         except Exception as e:
             for layer in wrapped:
                 del layer.__dict__["forward"]
-            raise type(e)(f"granii: running the model on the given input failed, so it was "
-                          f"left unchanged: {e}") from e
+            # the model's own exception, unchanged (its class may not take one message)
+            if hasattr(e, "add_note"):
+                e.add_note("granii: running the model on the given input failed, so it was "
+                           "left unchanged" + _order_hint(model))
+            raise
     return model
+
+
+def _checked_cost_model(cost_model):
+    """The cost model to use: this machine's default for ``None``, the folder's models for a
+    path (``granii.learned.load``), else an object with ``predict(prim, impl, gi, dims)``."""
+    from . import learned
+    if cost_model is None:
+        return learned.default_cost_model()
+    if isinstance(cost_model, (str, os.PathLike)):
+        return learned.load(cost_model)
+    if not callable(getattr(cost_model, "predict", None)):
+        raise TypeError(f"granii: cost_model must be a folder of cost models (a path) or an "
+                        f"object with predict(prim, impl, gi, dims), not "
+                        f"{type(cost_model).__name__}; leave it out for this machine's models")
+    return cost_model
+
+
+def _check_options(expected_calls, memory_limit, decisions, flags):
+    """``TypeError``/``ValueError`` naming the option, for values the options cannot mean."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"granii: {name} must be True or False, not {value!r}")
+    if not number(expected_calls) or not expected_calls >= 1:
+        raise ValueError(f"granii: expected_calls is how many calls the model will make on a "
+                         f"graph (at least 1), not {expected_calls!r}")
+    if memory_limit is not None and not number(memory_limit):
+        raise TypeError(f"granii: memory_limit is a number of bytes (or None), not "
+                        f"{memory_limit!r}")
+    if decisions is not None and not (
+            isinstance(decisions, dict)
+            and all(isinstance(calls, dict) and all(isinstance(d, dict) and "plan" in d
+                                                    for d in calls.values())
+                    for calls in decisions.values())):
+        raise ValueError("granii: decisions must be what granii.save_decisions(model) returned "
+                         "(its 'layers'), or the file it wrote")
 
 
 def _inspect(model, graph, feats, extra_args=(), extra_kwargs=None):
@@ -144,6 +190,20 @@ def _inspect(model, graph, feats, extra_args=(), extra_kwargs=None):
                 model(graph, feats, *extra_args, **(extra_kwargs or {}))
     finally:
         _restore_snapshot(saved)
+
+
+def _order_hint(model):
+    """A hint when ``model``'s forward takes the features before the graph: the run that
+    decides calls ``model(graph, feats)``."""
+    try:
+        names = list(inspect.signature(type(model).forward).parameters)[1:3]
+    except (TypeError, ValueError):
+        return ""
+    if len(names) == 2 and names[1] in _GRAPH_ARG_NAMES and names[0] not in _GRAPH_ARG_NAMES:
+        return (f". It ran model(graph, feats), and this forward takes ({names[0]}, "
+                f"{names[1]}): pass inspect_now=False to decide at the model's first call "
+                "instead")
+    return ""
 
 
 def _takes_features_only(model):
@@ -207,16 +267,27 @@ def load_decisions(path):
     try:
         with open(path) as f:
             data = json.load(f)
-        if data.get("format") != DECISIONS_FORMAT:
-            raise ValueError(f"format {data.get('format')!r}, expected {DECISIONS_FORMAT}")
-        return data["layers"]
-    except (OSError, ValueError, KeyError, AttributeError) as e:
+    except (OSError, ValueError) as e:
         raise ValueError(f"granii: cannot read saved decisions from {path}: {e}. Save them again "
                          "with granii.save_decisions(model, path) after a run.") from None
+    return _saved_layers(data, path)
+
+
+def _saved_layers(data, where):
+    """The ``layers`` of what ``save_decisions`` returned, after checking its format."""
+    if not isinstance(data, dict) or data.get("format") != DECISIONS_FORMAT or "layers" not in data:
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"granii: {where} is not saved decisions of this version (format "
+                         f"{got!r}, expected {DECISIONS_FORMAT}). Save them again with "
+                         "granii.save_decisions(model, path) after a run.")
+    return data["layers"]
 
 
 def restore(model):
     """Undo ``granii(model, ...)``: every layer runs its original forward again."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"granii.restore takes the model given to granii(...), not "
+                        f"{type(model).__name__}")
     for _, m in model.named_modules():
         if dispatcher_of(m) is not None:
             del m.__dict__["forward"]

@@ -120,8 +120,11 @@ def predicted(model):
         if not model.has_model(prim, impl):
             continue
         gi = graphs.get(spec)
-        out[name] = float(model.predict_many(prim, impl, gi, [_dims(prim, gi, sizes)],
-                                             rescale=False)[0])
+        try:
+            out[name] = float(model.predict_many(prim, impl, gi, [_dims(prim, gi, sizes)],
+                                                 rescale=False)[0])
+        except KeyError:      # a damaged file, dropped from the model with a warning
+            continue
     return out
 
 

@@ -24,14 +24,27 @@ LAYERS = {
 }
 
 
+def _positive(text):
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def explain_main(argv=None):
     from granii import granii
-    from granii.datasets import load_graph
+    from granii.datasets import GRAPHS, load_graph
     ap = argparse.ArgumentParser(prog="granii-explain", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layer", choices=sorted(LAYERS), default="gcn")
-    ap.add_argument("--graph", default="cora", help="a graph of data/ (default: cora)")
-    ap.add_argument("--sizes", type=int, nargs=2, default=(32, 16), metavar=("K_IN", "K_OUT"))
+    ap.add_argument("--graph", default="cora", choices=GRAPHS,
+                    help="a graph of data/ (default: cora)")
+    ap.add_argument("--sizes", type=_positive, nargs=2, default=(32, 16),
+                    metavar=("K_IN", "K_OUT"))
     ap.add_argument("--training", action="store_true", help="decide for a training step")
     args = ap.parse_args(argv)
     g = load_graph(args.graph)

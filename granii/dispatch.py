@@ -729,7 +729,12 @@ def _preset(state, call, dk, preset):
         raise ValueError(f"granii: the saved decision for layer '{state.name}' names plan "
                          f"{preset['plan']}, which this version of granii does not have for "
                          "this call: decide again (leave out decisions=)")
-    fn, _ = compile_plan(plan, tuple(preset["impls"]))
+    try:
+        fn, _ = compile_plan(plan, tuple(preset["impls"]))
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"granii: the saved decision for layer '{state.name}' names kernels "
+                         f"{list(preset['impls'])} that this version of granii does not have for "
+                         f"plan {plan.index}: decide again (leave out decisions=)") from None
     state.chosen[dk] = preset
     return (f"[{plan.index}]", fn, leaf_vals_order(plan), tuple(preset["impls"]))
 
@@ -743,7 +748,8 @@ def _decide(state, options, call):
         ranking = within_memory(ranking, call.symbols, options.memory_limit)
     best = ranking[0]
     fn, code = compile_plan(best.plan, best.impls)
-    state.last = (call.symbols, ranking, best, code, call.training, model.name)
+    state.last = (call.symbols, ranking, best, code, call.training,
+                  getattr(model, "name", type(model).__name__))
     chosen = (f"[{best.plan.index}]", fn, leaf_vals_order(best.plan), best.impls)
     if not _tuning(options, call):
         return chosen
@@ -1003,8 +1009,9 @@ def block_scale(call):
     return float(max(s.get("E", 0) + s.get("N_src", 0) + s.get("N_dst", 0), 1))
 
 
-class _UserError(ValueError):
-    """A call DGL's layer would also refuse (wrong feature width, ...): raised, not hidden."""
+class _UserError(ValueError, RuntimeError):
+    """A call DGL's layer would also refuse (wrong feature width, ...): raised, not hidden; a
+    ``RuntimeError`` as torch's own size errors in DGL's layer are, and a ``ValueError``."""
 
 
 @dataclass
@@ -1340,7 +1347,7 @@ def _unsupported_input(graph, feat):
         return f"features of type {type(feat).__name__}"
     if feat.dim() != 2:
         return f"features with {feat.dim()} dimensions (only N x k features are optimized)"
-    if feat.is_cuda or feat.dtype != torch.float32:
+    if feat.device.type != "cpu" or feat.dtype != torch.float32:
         return f"features of dtype {feat.dtype} on {feat.device} (float32 on CPU is optimized)"
     return None
 
@@ -1476,24 +1483,20 @@ def _check_size(state, leaf, val, symbols, feat):
             continue
         have = symbols.setdefault(sym, n)
         if have != n:
-            raise _UserError(_size_message(state, leaf, sym, have, n, feat))
+            raise _UserError(_size_message(state, leaf, val, sym, have, n, feat))
 
 
-def _size_message(state, leaf, sym, have, n, feat):
+def _size_message(state, leaf, val, sym, have, n, feat):
     layer = f"granii: layer '{state.name}' ({type(state.module).__name__})"
     if sym == "k_in":
         return (f"{layer} expects input features of width {n} (its '{leaf.name}' is "
-                f"{tuple(leaf_shape(leaf, state))}), but the features given are "
+                f"{tuple(val.shape)}), but the features given are "
                 f"{tuple(feat.shape)}: pass features with {n} columns or build the layer with "
                 f"in_feats={feat.shape[-1]}")
     if sym in ("N", "N_src"):
         return (f"{layer}: the features have {n} rows but the graph has {have} source nodes: "
                 "pass one row of features per node")
     return f"{layer}: size '{sym}' is {have} in one operand and {n} in '{leaf.name}'"
-
-
-def leaf_shape(leaf, state):
-    return state.module.get_parameter(leaf.source[1]).shape if leaf.source[0] == "param" else ()
 
 
 def dispatcher_of(module):

@@ -16,6 +16,9 @@ from .memory import fmt_bytes, plan_memory
 
 def explain(model, file=None):
     """Print (and return) for each layer: IR, promoted trees with cost, the choice, its code."""
+    if not hasattr(model, "named_modules"):
+        raise TypeError(f"granii.explain takes the model given to granii(...), not "
+                        f"{type(model).__name__}")
     out = io.StringIO()
     states = layer_states(model)
     if not states:
@@ -80,7 +83,7 @@ def _explain_layer(st, out):
         mark = "  <- chosen" if c is best else ""
         kept, transient = plan_memory(c.plan, symbols)
         mem = f"{fmt_bytes(kept)} + {fmt_bytes(transient)}"
-        p(f"  [{c.plan.index}]  {_fmt_ms(c.cost)}  {mem:>26}  {c.plan.composition()}{mark}")
+        p(f"  {f'[{c.plan.index}]':<7}{_fmt_ms(c.cost)}  {mem:>26}  {c.plan.composition()}{mark}")
     if getattr(st, "tuned", None):
         times, kept = st.tuned
         p("  measured on the first calls (median forward, + backward in training): " + ", ".join(

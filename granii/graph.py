@@ -31,6 +31,10 @@ def set_cache_limit(nbytes):
     """Bound the tensors granii keeps per graph (index structures, once-per-graph and
     once-per-input results) to ``nbytes``; beyond it the oldest are dropped, and computed again
     when needed. Default: a quarter of the machine's memory."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not nbytes >= 0 \
+            or nbytes == float("inf"):
+        raise ValueError(f"granii: set_cache_limit takes a number of bytes (0 or more), not "
+                         f"{nbytes!r}")
     CACHE_LIMIT["bytes"] = int(nbytes)
 
 

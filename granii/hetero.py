@@ -575,12 +575,12 @@ def rel_unsupported(layer, g, feat, etypes, norm, presorted):
         return "RelGraphConv on a graph with several node or edge types (it takes a " \
                "homogeneous graph with an edge-type tensor)"
     if not isinstance(feat, torch.Tensor) or feat.dim() != 2 or feat.dtype != torch.float32 \
-            or feat.is_cuda:
+            or feat.device.type != "cpu":
         return "features that are not a float32 CPU matrix"
     if feat.shape != (g.num_src_nodes(), lin.in_size):
         return f"features of shape {tuple(feat.shape)} (DGL's forward raises or broadcasts)"
     if not isinstance(etypes, torch.Tensor) or etypes.shape != (g.num_edges(),) \
-            or etypes.is_floating_point() or etypes.is_cuda:
+            or etypes.is_floating_point() or etypes.device.type != "cpu":
         return "etypes that are not an integer tensor of one entry per edge"
     if norm is not None and (not isinstance(norm, torch.Tensor) or norm.shape != (g.num_edges(), 1)
                              or norm.dtype != torch.float32):

@@ -88,7 +88,7 @@ def _aggregation(layer):
 
 def _matrix_of(x, rows):
     return (isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype == torch.float32
-            and not x.is_cuda and x.shape[0] == rows)
+            and x.device.type == "cpu" and x.shape[0] == rows)
 
 
 def relation_terms(mod, margs, mkw):

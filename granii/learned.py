@@ -452,7 +452,12 @@ class LearnedCost:
         cache = getattr(gi, "cache", None)
         if cache is not None and key in cache:
             return cache[key]
-        t = float(self.predict_many(prim, impl, gi, [dims], phase)[0])
+        try:
+            t = float(self.predict_many(prim, impl, gi, [dims], phase)[0])
+        except KeyError:
+            if (prim, impl) in trees:
+                raise
+            return self._predict(phase, prim, impl, gi, dims, warn)    # its file was damaged
         if cache is not None:
             cache[key] = t
         return t
@@ -609,18 +614,32 @@ class _TreeMap(dict):
     def __getitem__(self, key):
         value = super().__getitem__(key)
         if isinstance(value, _LazyTrees):
-            value = read_trees(value.path, value.n_features, value.sha256)
+            try:
+                value = read_trees(value.path, value.n_features, value.sha256)
+            except CostModelError as e:       # as a file missing from the folder from now on
+                _warn_once(f"{e}; until then {key[0]}/{key[1]} is priced as if it had no model",
+                           stacklevel=5)
+                dict.__delitem__(self, key)
+                raise KeyError(key) from None
             self[key] = value
         return value
 
     def get(self, key, default=None):
-        return self[key] if key in self else default
+        try:
+            return self[key]
+        except KeyError:
+            return default
 
     def values(self):
-        return [self[k] for k in self]
+        return [v for _, v in self.items()]
 
     def items(self):
-        return [(k, self[k]) for k in self]
+        out = []
+        for k in list(self):
+            v = self.get(k)
+            if v is not None:
+                out.append((k, v))
+        return out
 
 
 _LOADED = {}

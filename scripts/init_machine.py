@@ -33,6 +33,7 @@ from profiler.harness import POINTS, profile, read_jsonl  # noqa: E402
 from profiler.points import CONFIGS  # noqa: E402
 from profiler.timing import fix_threads  # noqa: E402
 from profiler.train import add, train  # noqa: E402
+from granii.cli import _positive  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -45,7 +46,7 @@ def parse_args(argv=None):
                     help="folder of the per-machine model folders (default: costmodels/)")
     ap.add_argument("--runs", type=Path, default=ROOT / "profiler" / "runs",
                     help="folder of the profiling records (default: profiler/runs/)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads to profile with")
+    ap.add_argument("--threads", type=_positive, default=2, help="torch threads to profile with")
     ap.add_argument("--retry-contended", action="store_true",
                     help="measure again the points recorded while other processes held the cores")
     ap.add_argument("--keep-contended", action="store_true",
@@ -108,6 +109,10 @@ def main(argv=None):
           f"torch {fp['torch']}, dgl {fp['dgl']}, xgboost {fp['xgboost']}")
     t0 = time.perf_counter()
     summary = None
+    if args.train_only and not (run_dir / POINTS).is_file():
+        raise SystemExit(f"granii-init: --train-only trains on this machine's profiling records "
+                         f"in {run_dir}, and there are none: run granii-init without "
+                         "--train-only first")
     limit = args.time_limit if args.time_limit is not None else (1.65 if args.quick else None)
     if not args.train_only:
         summary = profile(config, run_dir, threads, resume=args.resume,

@@ -97,6 +97,119 @@ def test_wrong_feature_width_says_what_to_do():
         layer(g, torch.randn(g.num_nodes(), 7))
 
 
+@pytest.mark.parametrize("option, value, error, says", [
+    ("expected_calls", 0, ValueError, "at least 1"),
+    ("expected_calls", -5, ValueError, "at least 1"),
+    ("expected_calls", "many", ValueError, "expected_calls"),
+    ("reuse_inputs", "false", TypeError, "True or False"),
+    ("per_batch", 1, TypeError, "True or False"),
+    ("memory_limit", "1GB", TypeError, "number of bytes"),
+    ("decisions", [1, 2], ValueError, "save_decisions"),
+    ("decisions", {"a": {"k": "plan 1"}}, ValueError, "save_decisions"),
+    ("decisions", {"format": 0, "layers": {}}, ValueError, "format 0"),
+    ("cost_model", 5, TypeError, "predict"),
+])
+def test_options_it_cannot_mean_are_refused_naming_them(option, value, error, says):
+    """A value no option can mean is refused before anything is wrapped, naming the option (not
+    a ZeroDivisionError or a string read as True deep inside)."""
+    g = _graph()
+    layer = GraphConv(12, 4)
+    with pytest.raises(error, match=says):
+        granii(layer, g, torch.randn(g.num_nodes(), 12), **{option: value})
+    assert "forward" not in layer.__dict__
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        granii(None, g, torch.randn(g.num_nodes(), 12))
+
+
+def test_a_cost_model_folder_path_and_a_cost_model_without_a_name_are_taken(tmp_path):
+    """``cost_model=`` a folder's path loads it (a folder that is not one is refused with the
+    fix); an object with only ``predict`` (the documented contract) serves as a cost model."""
+    from granii.learned import CostModelError
+
+    class Flat:
+        def predict(self, prim, impl, gi, dims):
+            return 1e-3
+
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 12)
+    layer = GraphConv(12, 4)
+    want = layer(g, x)
+    granii(layer, g, x, cost_model=Flat())
+    torch.testing.assert_close(layer(g, x), want)
+    with pytest.raises(CostModelError, match="cost-model folder"):
+        granii(GraphConv(12, 4), g, x, cost_model=str(tmp_path / "nothing"))
+
+
+def test_the_models_own_exception_comes_back_unchanged():
+    """An exception raised by the user's model while granii runs it once reaches the user as it
+    was raised (whatever its constructor takes), and the model is left unwrapped."""
+    class Refused(Exception):
+        def __init__(self, code, detail):
+            super().__init__(f"{code}: {detail}")
+            self.code = code
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = GraphConv(12, 4)
+
+        def forward(self, g, x):
+            self.conv(g, x)
+            raise Refused(3, "no")
+
+    g = _graph()
+    model = Model()
+    with pytest.raises(Refused, match="3: no") as raised:
+        granii(model, g, torch.randn(g.num_nodes(), 12), cost_model=AnalyticalCost())
+    assert raised.value.code == 3
+    assert "forward" not in model.conv.__dict__
+
+
+def test_a_forward_taking_the_features_first_is_told_what_to_pass():
+    """granii's deciding run calls ``model(graph, feats)``; a forward written ``(x, g)`` fails
+    in it with a note that says so, and works with ``inspect_now=False``."""
+    import sys
+
+    class FeaturesFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = GraphConv(12, 4)
+
+        def forward(self, x, g):
+            return self.conv(g, x)
+
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 12)
+    model = FeaturesFirst()
+    want = model(x, g)
+    with pytest.raises(AttributeError) as raised:
+        granii(model, g, x, cost_model=AnalyticalCost())
+    if sys.version_info >= (3, 11):
+        assert "inspect_now=False" in raised.value.__notes__[0]
+    granii(model, g, x, cost_model=AnalyticalCost(), inspect_now=False)
+    torch.testing.assert_close(model(x, g), want)
+    assert layer_states(model)[0].fallback is None
+
+
+def test_a_wrong_width_is_a_runtime_error_as_in_dgl():
+    """DGL's layer refuses a wrong width with torch's RuntimeError; the optimized one refuses it
+    with a message that says what to do, catchable as that RuntimeError (and as ValueError)."""
+    g = _graph()
+    layer = SAGEConv(12, 8, "mean")
+    granii(layer, g, torch.randn(g.num_nodes(), 12), cost_model=AnalyticalCost())
+    with pytest.raises(RuntimeError, match=r"'fc_self.weight\^T' is \(12, 8\).*in_feats=7"):
+        layer(g, torch.randn(g.num_nodes(), 7))
+
+
+def test_cache_limit_takes_only_a_number_of_bytes():
+    from granii import graph as G
+    old = G.CACHE_LIMIT["bytes"]
+    for bad in (-1, "abc", None, float("inf"), True):
+        with pytest.raises(ValueError, match="number of bytes"):
+            G.set_cache_limit(bad)
+        assert G.CACHE_LIMIT["bytes"] == old
+
+
 def test_saved_decisions_are_run_again_without_deciding(tmp_path, monkeypatch):
     """A model's decisions saved to a file and given to a fresh copy: the copy runs the same
     plans, ranks nothing, and gives the same outputs; a damaged file is refused clearly."""

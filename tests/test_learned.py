@@ -136,6 +136,29 @@ def test_model_files_are_checked_at_load_and_parsed_on_first_use(copy_dir):
     assert old.predict("gemm", "torch", _info(), {"m": 500, "k": 64, "n": 32}) == t
 
 
+def test_a_file_damaged_after_its_hash_was_written_is_priced_as_missing(copy_dir):
+    """A model file that matches the manifest's hash but does not parse (damaged before the
+    manifest was written) cannot be refused at load: on first use it warns once, naming the
+    file and the fix, and the primitive is priced as one without a model, call after call."""
+    path = copy_dir / "gemm__torch.json"
+    path.write_text(path.read_text()[:500])
+    manifest = json.loads((copy_dir / MANIFEST).read_text())
+    manifest["models"]["gemm/torch"]["sha256"] = learned.file_sha256(path)
+    (copy_dir / MANIFEST).write_text(json.dumps(manifest))
+    lc = load(copy_dir)
+    assert ("gemm", "torch") in lc.trees
+    dims = {"m": 500, "k": 64, "n": 32}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = lc.predict("gemm", "torch", _info(), dims)
+        again = lc.predict("gemm", "torch", _info(), dims)
+    said = [str(w.message) for w in caught if "gemm__torch.json" in str(w.message)]
+    assert len(said) == 1 and "damaged" in said[0] and "re-run" in said[0]
+    assert ("gemm", "torch") not in lc.trees and ("gemm", "torch") not in dict(lc.trees.items())
+    assert first == again == lc.fallback.predict("gemm", "torch", _info(), dims)
+    assert math.isfinite(first) and first > 0
+
+
 def test_parsed_models_are_cached_by_hash_and_a_bad_cache_file_is_parsed_again(
         copy_dir, tmp_path, monkeypatch):
     """A model file parsed once is kept as arrays under ``GRANII_CACHE``, named by its SHA-256:

@@ -203,6 +203,17 @@ def test_environment_limit_and_forked_children():
     assert "child 0" in out.stdout
 
 
+@pytest.mark.parametrize("value, ok", [("abc", False), ("-5", False), ("1e9", False),
+                                       ("", True), ("0", True), (" 67108864 ", True)])
+def test_pool_limit_from_the_environment_is_a_whole_number_of_bytes(monkeypatch, value, ok):
+    monkeypatch.setenv("GRANII_POOL_LIMIT", value)
+    if ok:
+        pool.check_env()
+    else:
+        with pytest.raises(ValueError, match="GRANII_POOL_LIMIT must be a whole number"):
+            pool.check_env()
+
+
 def test_without_the_extension_the_pool_does_nothing(monkeypatch):
     monkeypatch.setattr(pool, "_MOD", None)
     monkeypatch.setattr(pool, "_INSTALLED", False)

@@ -14,6 +14,8 @@ environment variable ``GRANII_POOL_LIMIT`` (bytes; ``0`` turns pooling off), or
 ``set_limit(bytes)``. ``release()`` frees the cache; ``stats()`` says what it holds. Without the
 native extension, or when another CPU allocator than torch's own is installed, nothing is pooled.
 """
+import os
+
 import torch
 
 from granii.kernels import native
@@ -27,8 +29,18 @@ def install():
     on). ``True`` when pooling is in place."""
     global _INSTALLED
     if _MOD is not None and not _INSTALLED:
+        check_env()
         _INSTALLED = bool(_MOD.pool_install())
     return _INSTALLED
+
+
+def check_env():
+    """``ValueError`` when ``GRANII_POOL_LIMIT`` is set to anything but a whole number of bytes
+    (the native side would read ``abc`` as 0 and ``1e9`` as 1)."""
+    raw = os.environ.get("GRANII_POOL_LIMIT", "").strip()
+    if raw and not (raw.isascii() and raw.isdigit()):
+        raise ValueError(f"granii: GRANII_POOL_LIMIT must be a whole number of bytes (0 turns "
+                         f"pooling off), not {raw!r}: fix or unset it")
 
 
 def _noop():

@@ -45,8 +45,9 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
            memory_limit=None, extra_args=(), extra_kwargs=None):
     """Optimize every GNN layer of ``model`` in place and return ``model``.
 
-    ``cost_model``: an object with ``predict(prim, impl, gi, dims)``; by default the learned models
-    for this machine, or the analytical model when there are none. ``expected_calls``: how many
+    ``cost_model``: an object with ``predict(prim, impl, gi, dims)``, or the path of a folder of
+    learned models (``granii.learned.load``); by default the learned models for this machine, or
+    the analytical model when there are none. ``expected_calls``: how many
     calls once-per-graph work is amortised over when choosing (a sampled block is used once, so
     on blocks it is 1). With ``inspect_now`` the model runs once on ``(graph, feats)`` (or on
     ``feats`` alone when its forward takes only the features and holds the graph), so each

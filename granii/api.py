@@ -90,7 +90,6 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"granii: the model must be a torch.nn.Module holding DGL layers, not "
                         f"{type(model).__name__}")
-    cost_model = _checked_cost_model(cost_model)
     if isinstance(decisions, (str, os.PathLike)):
         decisions = load_decisions(decisions)
     elif isinstance(decisions, dict) and "layers" in decisions and "format" in decisions:
@@ -98,6 +97,7 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     _check_options(expected_calls, memory_limit, decisions,
                    dict(inspect_now=inspect_now, per_batch=per_batch, reuse_inputs=reuse_inputs,
                         tune=tune, deterministic=deterministic))
+    cost_model = _checked_cost_model(cost_model)
     opts = Options(cost_model, expected_calls, per_batch, reuse_inputs,
                    tune and not deterministic and decisions is None, decisions, memory_limit)
     layers = find_layers(model)

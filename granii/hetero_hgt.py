@@ -206,7 +206,8 @@ def _unsupported(layer, g, x, ntype, etype):
             or len(g.srctypes) != 1 or len(g.dsttypes) != 1:
         return "HGTConv on a graph with several node or edge types (it takes a homogeneous " \
                "graph with type tensors)"
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 \
+            or x.device.type != "cpu":
         return "features that are not a float32 CPU matrix"
     if x.shape != (g.num_src_nodes(), layer.in_size):
         return f"features of shape {tuple(x.shape)}"

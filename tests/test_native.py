@@ -289,6 +289,41 @@ def test_spmm_norm_residual(graph, dtype, act):
 
 
 @needs_native
+@pytest.mark.parametrize("kind", ["norm", "weighted"])
+def test_source_gradient_takes_another_in_place(kind):
+    """The gradient an aggregation gives its ``(n, k)`` input is not a view (the kernel reads it
+    as ``(n, 1, k)``), so autograd adds the gradient of another use of the input (a block's
+    destination rows times a weight, as SAGE's self term) into it in place: no out-of-place ``n x k`` add. Its
+    values, and a double backward through it, are those of the dense reference."""
+    from torch.profiler import profile
+    g = _block()
+    gi = graph_info(g)
+    n, m, k = g.num_src_nodes(), g.num_dst_nodes(), 20
+    w = torch.rand(g.num_edges(), dtype=torch.float64)
+    scale = g.in_degrees().double().clamp(min=1).pow(-1)
+    aw = _dense(g, w) if kind == "weighted" else scale[:, None] * _dense(g)
+    gy = torch.randn(m, k, dtype=torch.float64)
+    rot = torch.randn(k, k, dtype=torch.float64)
+
+    def run(x):
+        own = x[:m] @ rot              # made first: its gradient reaches x last
+        y = (native.spmm_weighted_native(gi, w, x) if kind == "weighted"
+             else native.spmm_norm_native(gi, scale, None, x))
+        return ((own + y) * gy).sum()
+
+    x = torch.randn(n, k, dtype=torch.float64, requires_grad=True)
+    with profile(record_shapes=True) as prof:
+        run(x).backward()
+    adds = {e.key for e in prof.key_averages(group_by_input_shape=True)
+            if e.input_shapes and e.input_shapes[0] == [n, k]}
+    assert "aten::add_" in adds and "aten::add" not in adds
+    want = aw.T @ gy
+    want[:m] += gy @ rot.T
+    torch.testing.assert_close(x.grad, want)
+    assert torch.autograd.gradgradcheck(run, (x.detach().requires_grad_(),))
+
+
+@needs_native
 def test_spmm_norm_residual_of_another_shape_broadcasts_as_torch_adds():
     g = _random()
     gi, a = graph_info(g), _dense(g).float()

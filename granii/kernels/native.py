@@ -210,9 +210,13 @@ class _SpmmFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w, r, c, bias, gi, act, which, vals, res=None):
-        y = _op(csr_index(gi, which), x, None if w is None else vals.get(which), r, c, bias, act,
-                res)
+    def forward(ctx, x, w, r, c, bias, gi, act, which, vals, res=None, heads=None):
+        # ``x`` may come in any shape ``(n, ...)`` with ``heads`` given: it is read as
+        # ``(n, heads, K)`` here, where autograd does not see the reshape (``_plain``)
+        ctx.x_shape, ctx.heads = x.shape, heads
+        x3 = x if heads is None else x.reshape(x.shape[0], heads, -1).contiguous()
+        y = _op(csr_index(gi, which), x3, None if w is None else vals.get(which), r, c, bias,
+                act, res)
         ctx.gi, ctx.act, ctx.which, ctx.vals = gi, act, which, vals
         need_x = ctx.needs_input_grad[1] or ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
         ctx.save_for_backward(x if need_x else None, w, r, c, y if act else None)
@@ -221,6 +225,8 @@ class _SpmmFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, r, c, y = ctx.saved_tensors
+        if x is not None and ctx.heads is not None:
+            x = x.reshape(x.shape[0], ctx.heads, -1)
         gi, which, vals = ctx.gi, ctx.which, ctx.vals
         other = _OTHER[which]
         p = dy.contiguous()
@@ -246,7 +252,26 @@ class _SpmmFn(torch.autograd.Function):
             dbias = p.sum(dim=0).reshape(-1)
         # without a residual there are nine inputs: autograd accepts the trailing None
         dres = p.reshape(p.shape[0], -1) if any(ctx.needs_input_grad[9:]) else None
-        return dx, dw, dr, dc, dbias, None, None, None, None, dres
+        if dx is not None and ctx.heads is not None:
+            dx = _plain(dx, ctx.x_shape)
+        return dx, dw, dr, dc, dbias, None, None, None, None, dres, None
+
+
+def _plain(t, shape):
+    """``t`` as a tensor of ``shape`` that is not a view: a gradient autograd then adds another
+    one into in place. Autograd adds into a view out of place: when the gradient of a block's
+    source features comes from an aggregation and from the destination rows (SAGE's self term,
+    GAT's destination scores), that is one more pass over an ``N_src x k`` matrix, into fresh
+    memory. Under ``create_graph`` (a double backward), the differentiable reshape."""
+    if torch.is_grad_enabled():
+        return t.reshape(shape)
+    t = t.contiguous()
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), shape,
+                               tuple(reversed(strides)))
 
 
 class _SddmmFn(torch.autograd.Function):
@@ -294,34 +319,34 @@ def _run(gi, x, w=None, heads=1, d_dst=None, d_src=None, bias=None, act=0, res=N
     width = 1
     for s in x.shape[1:]:
         width *= s
-    x3 = x.reshape(n, heads, width // heads).contiguous()
-    if x3.dtype not in (torch.float32, torch.float64):
-        x3 = x3.float()
-    dt = x3.dtype
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
+    if width % heads:
+        raise ValueError(f"granii: x of shape {tuple(x.shape)} does not split into {heads} heads")
+    dt = x.dtype
     if w is not None:
         w = w.reshape(gi.num_edges, heads).to(dt).contiguous()
     if bias is not None:
-        if bias.numel() != x3.shape[1] * x3.shape[2]:
-            raise ValueError(f"granii: bias has {bias.numel()} entries, expected "
-                             f"{x3.shape[1] * x3.shape[2]} (the width of x)")
+        if bias.numel() != width:
+            raise ValueError(f"granii: bias has {bias.numel()} entries, expected {width} (the "
+                             "width of x)")
         bias = bias.reshape(-1).to(dt).contiguous()
     vals = None if w is None else Values(gi, w, user_w)
     if res is not None:
-        r2 = _residual(res, gi.num_dst, x3)
+        r2 = _residual(res, gi.num_dst, width, dt)
         if r2 is None:      # not of the result's shape or dtype: torch adds (broadcasts) it
             y = _run(gi, x, user_w, heads, d_dst, d_src, bias) + res
             return torch.relu(y) if act else y
         res = r2
-    y = _SpmmFn.apply(x3, w, _vec(d_dst, gi.num_dst, dt, "d_dst"),
-                      _vec(d_src, gi.num_src, dt, "d_src"), bias, gi, act, "a", vals, res)
+    y = _SpmmFn.apply(x, w, _vec(d_dst, gi.num_dst, dt, "d_dst"),
+                      _vec(d_src, gi.num_src, dt, "d_src"), bias, gi, act, "a", vals, res, heads)
     return y.reshape(gi.num_dst, *x.shape[1:])
 
 
-def _residual(res, rows, x3):
+def _residual(res, rows, width, dtype):
     """``res`` as the kernel's ``(rows, H K)`` residual (rows of any stride), or None when it is
     not of the result's shape and dtype."""
-    width = x3.shape[1] * x3.shape[2]
-    if res.dtype != x3.dtype or not _one_row_each(res, rows, width):
+    if res.dtype != dtype or not _one_row_each(res, rows, width):
         return None
     r = res.reshape(rows, width)
     return r if r.stride(1) == 1 else r.contiguous()

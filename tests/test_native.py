@@ -293,8 +293,8 @@ def test_spmm_norm_residual(graph, dtype, act):
 def test_source_gradient_takes_another_in_place(kind):
     """The gradient an aggregation gives its ``(n, k)`` input is not a view (the kernel reads it
     as ``(n, 1, k)``), so autograd adds the gradient of another use of the input (a block's
-    destination rows times a weight, as SAGE's self term) into it in place: no out-of-place ``n x k`` add. Its
-    values, and a double backward through it, are those of the dense reference."""
+    destination rows times a weight, as SAGE's self term) into it in place: no out-of-place
+    ``n x k`` add. Its values, and a double backward through it, are the dense reference's."""
     from torch.profiler import profile
     g = _block()
     gi = graph_info(g)

@@ -201,8 +201,8 @@ class _SpmmFn(torch.autograd.Function):
     """``Y = act(diag(r) M_w diag(c) X + bias + R)`` with ``M`` = ``A`` (``which="a"``) or
     ``A^T``, and its gradients in all tensor inputs.
 
-    ``x`` ``(cols, H, K)``; ``w`` ``(E, H)`` in edge-id order or None; ``r``/``c`` vectors or None;
-    ``bias`` ``(H * K,)`` or None; ``res`` (``R``) ``(rows, H * K)`` or None. Backward (``P`` =
+    ``x`` ``(cols, H, K)``, or ``(cols, ...)`` read as that with ``heads=H``; ``w`` ``(E, H)``
+    in edge-id order or None; ``r``/``c`` vectors or None; ``bias`` ``(H * K,)`` or None; ``res`` (``R``) ``(rows, H * K)`` or None. Backward (``P`` =
     gradient before the activation): ``dX = diag(c) M_w^T diag(r) P`` (the same kernel on the
     transpose, scales swapped), ``dw_e = r[v] c[u] <P[v], X[u]>``, ``dbias = sum_v P[v]``,
     ``dR = P``, ``dr[v] = <P[v], (M_w diag(c) X)[v]>``, ``dc[u] = <X[u], (M_w^T diag(r) P)[u]>``.
@@ -261,7 +261,7 @@ def _plain(t, shape):
     """``t`` as a tensor of ``shape`` that is not a view: a gradient autograd then adds another
     one into in place. Autograd adds into a view out of place: when the gradient of a block's
     source features comes from an aggregation and from the destination rows (SAGE's self term,
-    GAT's destination scores), that is one more pass over an ``N_src x k`` matrix, into fresh
+    GIN's ``(1 + eps) H``), that is one more pass over an ``N_src x k`` matrix, into fresh
     memory. Under ``create_graph`` (a double backward), the differentiable reshape."""
     if torch.is_grad_enabled():
         return t.reshape(shape)

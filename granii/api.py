@@ -24,11 +24,17 @@ DECISIONS_FORMAT = 1
 _GRAPH_ARG_NAMES = {"graph", "g", "block", "G", "subgraph"}
 
 
-def _takes_graph(module):
+def _forward_params(module):
+    """The parameter names of the forward of ``module``'s class after ``self`` (``[]`` when its
+    signature cannot be read)."""
     try:
-        params = list(inspect.signature(type(module).forward).parameters)[1:]
+        return list(inspect.signature(type(module).forward).parameters)[1:]
     except (TypeError, ValueError):
-        return False
+        return []
+
+
+def _takes_graph(module):
+    params = _forward_params(module)
     return len(params) >= 2 and params[0] in _GRAPH_ARG_NAMES
 
 
@@ -196,10 +202,7 @@ def _inspect(model, graph, feats, extra_args=(), extra_kwargs=None):
 def _order_hint(model):
     """A hint when ``model``'s forward takes the features before the graph: the run that
     decides calls ``model(graph, feats)``."""
-    try:
-        names = list(inspect.signature(type(model).forward).parameters)[1:3]
-    except (TypeError, ValueError):
-        return ""
+    names = _forward_params(model)[:2]
     if len(names) == 2 and names[1] in _GRAPH_ARG_NAMES and names[0] not in _GRAPH_ARG_NAMES:
         return (f". It ran model(graph, feats), and this forward takes ({names[0]}, "
                 f"{names[1]}): pass inspect_now=False to decide at the model's first call "

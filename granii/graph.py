@@ -12,7 +12,6 @@ graph alone (degree powers, normalised edge values, CSR matrices) in ``cache``: 
 import os
 import weakref
 
-import dgl
 import torch
 
 
@@ -163,6 +162,7 @@ class GraphInfo:
         sampled block comes with it; DGL's ``out_degrees`` would build the out-edge index first,
         about ten times the count's cost)."""
         def make():
+            import dgl                      # only a DGL graph gets here: DGL is loaded
             try:
                 _, src, _ = self.g.adj_tensors("csc")
             except dgl.DGLError:            # a graph restricted to other formats

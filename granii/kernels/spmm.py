@@ -8,7 +8,6 @@ gradient is the SDDMM ``dw_e = <dY[v], X[u]>`` (DGL's ``u_dot_v``, in edge order
 import warnings
 import weakref
 
-import dgl
 import torch
 
 from granii.kernels.registry import register
@@ -154,6 +153,7 @@ class _SpMMWeighted(torch.autograd.Function):
                 at = _head_csr(gi, "at", w2)
             dx = (at @ dy).reshape(-1, heads, k)
         if ctx.needs_input_grad[0]:
+            import dgl
             dw = dgl.ops.u_dot_v(gi.g, x, dy.reshape(n_dst, heads, k)).reshape(w2.shape)
         return dw, dx, None, None
 
@@ -161,6 +161,7 @@ class _SpMMWeighted(torch.autograd.Function):
 @register("spmm", "dgl")
 def spmm_dgl(gi, x):
     """``Y = A X``: ``Y[v] = sum_{u -> v} X[u]``, shape ``(num_dst, ...)``."""
+    import dgl
     return dgl.ops.copy_u_sum(gi.g, x)
 
 
@@ -186,6 +187,7 @@ def spmm_weighted_dgl(gi, w, x):
     ``w`` of shape ``(E,)`` with ``x`` of shape ``(n, ...)``, or per head: ``w`` ``(E, H)`` or
     ``(E, H, 1)`` with ``x`` ``(n, H, K)`` giving ``(num_dst, H, K)``.
     """
+    import dgl
     return dgl.ops.u_mul_e_sum(gi.g, x, _heads_dgl(w, x))
 
 
@@ -194,6 +196,7 @@ def spmm_heads_dgl(gi, w, x):
     """``Y[v, h] = sum_{e = (u -> v)} w[e, h] X[u]``: ``w`` ``(E, H)`` or ``(E, H, 1)``, ``x``
     ``(n_src, K)`` shared by the heads, ``Y`` ``(num_dst, H, K)``: DGL's broadcasting
     ``u_mul_e_sum`` of ``X`` as ``(n, 1, K)`` with ``w`` as ``(E, H, 1)``."""
+    import dgl
     heads = w.shape[1] if w.dim() > 1 else 1
     return dgl.ops.u_mul_e_sum(gi.g, x.reshape(x.shape[0], 1, -1),
                                w.reshape(gi.num_edges, heads, 1))
@@ -222,6 +225,7 @@ def spmm_weighted_torch_csr(gi, w, x):
 @register("spmm_mean", "dgl")
 def spmm_mean_dgl(gi, x):
     """``Y = D_in^{-1} A X``: mean of ``X[u]`` over the in-neighbours ``u -> v``; 0 if none."""
+    import dgl
     return dgl.ops.copy_u_mean(gi.g, x)
 
 
@@ -240,6 +244,7 @@ def spmm_max_dgl(gi, x):
     ``dgl.ops.copy_u_max`` leaves ``-inf`` in rows without in-edges (and routes their gradient to
     node 0); masking those rows gives the zeros of ``update_all(copy_u, max)`` and a zero gradient.
     """
+    import dgl
     y = dgl.ops.copy_u_max(gi.g, x)
     empty = (gi.in_degrees() == 0).reshape(-1, *([1] * (x.dim() - 1)))
     return y.masked_fill(empty, 0)

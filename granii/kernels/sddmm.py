@@ -1,5 +1,4 @@
 """Edge values from node values (SDDMM-style primitives)."""
-import dgl
 import torch
 
 from granii.kernels.registry import register
@@ -17,6 +16,7 @@ def sddmm_scale_dgl(gi, d_dst, w, d_src):
     ``w=None`` means ``w_e = 1``; ``d_dst=None`` / ``d_src=None`` mean all ones. ``d_*`` have shape
     ``(n,)`` and broadcast over the trailing (head) dimensions of ``w``.
     """
+    import dgl
     g = gi.g
     if w is None:
         if d_dst is None and d_src is None:
@@ -57,6 +57,7 @@ def sddmm_scale_torch(gi, d_dst, w, d_src):
 @register("sddmm_add", "dgl")
 def sddmm_add_dgl(gi, a_src, b_dst):
     """``e_uv = a_src[u] + b_dst[v]`` for each edge ``u -> v`` (GAT scores, shape ``(E, heads[, 1])``)."""
+    import dgl
     return dgl.ops.u_add_v(gi.g, a_src, b_dst)
 
 

@@ -1,5 +1,4 @@
 """Softmax of edge scores over the in-edges of each destination."""
-import dgl
 import torch
 
 from granii.kernels.registry import register
@@ -8,6 +7,7 @@ from granii.kernels.registry import register
 @register("edge_softmax", "dgl")
 def edge_softmax_dgl(gi, e):
     """``a_e = exp(e_e) / sum_{e' = (u' -> v)} exp(e_e')`` for ``e = u -> v``; ``e`` of shape ``(E, ...)``."""
+    import dgl
     return dgl.ops.edge_softmax(gi.g, e)
 
 

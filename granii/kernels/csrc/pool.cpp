@@ -17,13 +17,22 @@
 //
 // Bounded: the bytes kept in the cache never exceed the limit (a quarter of physical memory, or
 // GRANII_POOL_LIMIT); a block that would go over it is freed. release() frees the whole cache.
+//
+// Torch versions: c10::Allocator's interface changed in torch 2.3: allocate() is no longer const,
+// and copy_data() (used to clone an allocation) became a pure virtual every allocator defines.
+// GRANII_ALLOCATE_CONST follows torch/version.h; copy_data is defined without `override`, so it
+// overrides where the base declares it and is an unused member where it does not. The rest of
+// what the pool uses (GetCPUAllocator, GetDefaultCPUAllocator, SetCPUAllocator with a priority,
+// raw_deleter, DataPtr's context) is the same in both; tested on torch 2.1.2 and 2.12.1.
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 #include <pthread.h>
 #include <sys/mman.h>
+#include <torch/version.h>
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -36,6 +45,12 @@ constexpr size_t kAlign = size_t(2) << 20;      // a huge page
 
 thread_local int scope_depth = 0;
 
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define GRANII_ALLOCATE_CONST
+#else
+#define GRANII_ALLOCATE_CONST const
+#endif
+
 class Pool final : public c10::Allocator {
  public:
   std::mutex mu;
@@ -45,11 +60,15 @@ class Pool final : public c10::Allocator {
   size_t hits = 0, misses = 0;
   c10::Allocator* next = nullptr;              // the allocator installed before this one
 
-  c10::DataPtr allocate(size_t nbytes) const override {
+  c10::DataPtr allocate(size_t nbytes) GRANII_ALLOCATE_CONST override {
     if (scope_depth <= 0 || nbytes < kMinBlock || limit == 0) return next->allocate(nbytes);
     return const_cast<Pool*>(this)->take(nbytes);
   }
   c10::DeleterFnPtr raw_deleter() const override { return &Pool::give_back; }
+  // every block is plain host memory, the pool's and the next allocator's alike
+  void copy_data(void* dest, const void* src, std::size_t count) const {  // NOLINT(modernize-use-override)
+    std::memcpy(dest, src, count);
+  }
 
   c10::DataPtr take(size_t nbytes) {
     size_t want = (nbytes + kAlign - 1) / kAlign * kAlign;

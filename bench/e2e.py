@@ -25,7 +25,7 @@ from dgl.nn import GATConv, GraphConv
 from granii import granii as optimize
 from granii.api import layer_states, restore
 from granii.datasets import load_planetoid
-from profiler.timing import side_by_side
+from granii.profiling.timing import side_by_side
 
 
 class GCN(torch.nn.Module):

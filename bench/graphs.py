@@ -1,7 +1,7 @@
 """The graphs of the benchmark and the embedding sizes each one is run at.
 
 Real graphs: every graph shipped in ``data/`` (``granii.datasets.GRAPHS``). Generated graphs
-(``profiler.generators``, fixed seeds): an R-MAT power-law graph, a uniform random graph, a
+(``granii.profiling.generators``, fixed seeds): an R-MAT power-law graph, a uniform random graph, a
 road-like graph and a Mycielski graph (dense rows), each of about one to a few million edges,
 and an R-MAT graph of about ten million edges (run last, at the first level of sizes only): what a
 full run can time on two cores within its budget.
@@ -19,7 +19,7 @@ from functools import partial
 import dgl
 
 from granii.datasets import GRAPHS, load_graph
-from profiler import generators as gen
+from granii.profiling import generators as gen
 
 LEVELS = [((32, 128), (128, 32)), ((32, 1024), (1024, 32)), ((32, 512), (512, 32)),
           ((128, 512), (512, 128)), ((128, 1024), (1024, 128)), ((512, 1024), (1024, 512))]

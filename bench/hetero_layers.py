@@ -24,7 +24,7 @@ number of relations.
 Modes: ``infer`` (no gradients, a new feature tensor at every call) and ``train`` (forward and
 backward of ``(out * R).sum()``; gradients to the features and the weights). DGL's layer and
 the granii copy (``copy.deepcopy`` + ``granii(...)``, same weights) run side by side
-(``profiler.timing.side_by_side``: warm-up calls, then up to 9 rounds of the two in turn, within
+(``granii.profiling.timing.side_by_side``: warm-up calls, then up to 9 rounds of the two in turn, within
 a time budget; medians), after ``SETTLE`` untimed calls of the granii copy in which its
 measured tie-breaks settle (steady state). ``first call``: ``granii(...)`` and its first call on a fresh copy of
 the graph, beside DGL's first call on another fresh copy. Before timing, both outputs of one call
@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
 from bench.csvfile import write_csv  # noqa: E402
 from granii import granii, hetero, hetero_graphs  # noqa: E402
 from granii.dispatch import TRIAL_ROUNDS  # noqa: E402
-from profiler.timing import side_by_side  # noqa: E402
+from granii.profiling.timing import side_by_side  # noqa: E402
 
 # calls after which every tie-break has settled: each relation's own, then the container's
 SETTLE = hetero.ROUTED_WARMUP + 2 * (TRIAL_ROUNDS + 1) + 2

@@ -1,6 +1,6 @@
 """One measurement of the benchmark: a layer on a graph at ``(k_in, k_out)``, inference or training.
 
-What is timed, side by side in one process (``profiler.timing.side_by_side``: every candidate once
+What is timed, side by side in one process (``granii.profiling.timing.side_by_side``: every candidate once
 per round, in turn, warm-up first, median of the rounds):
 
 * ``dgl``     DGL's layer;
@@ -48,7 +48,7 @@ from granii.select import EXPECTED_CALLS, price
 
 from . import models
 from .load import OthersMeter
-from profiler.timing import side_by_side
+from granii.profiling.timing import side_by_side
 
 ITERATIONS = 100
 DECISION_TIMEOUT = 120.0      # seconds granii(...) may take before the model counts as not optimized

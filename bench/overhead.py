@@ -30,8 +30,8 @@ from granii.featurize import graph_features
 from granii.graph import GraphInfo
 from granii.plan import compile_plan
 from granii.select import rank
-from profiler import generators as gen
-from profiler.timing import median_time
+from granii.profiling import generators as gen
+from granii.profiling.timing import median_time
 
 from .graphs import with_self_loops
 from .measure import fresh_graph, state_for

@@ -34,11 +34,14 @@ import os
 import time
 from pathlib import Path
 
+
+# name -> (primitive, implementation, graph, sizes); a graph ``(n, m, seed)`` is the undirected
+# ``granii.reference.uniform(n, m, seed)`` (2 m edges), ``None`` for a dense primitive
 REFERENCE = {
     "stream": ("row_scale", "torch", None, {"n": 1 << 18, "k": 64}),
     "gemm": ("gemm", "torch", None, {"m": 8192, "k": 256, "n": 256}),
-    "sparse": ("spmm", "dgl", "uniform:n=65536,m=524288,seed=11,undirected=1", {"k": 64}),
-    "small": ("spmm", "dgl", "uniform:n=2000,m=8000,seed=12,undirected=1", {"k": 32}),
+    "sparse": ("spmm", "dgl", (65536, 524288, 11), {"k": 64}),
+    "small": ("spmm", "dgl", (2000, 8000, 12), {"k": 32}),
 }
 CLASS = {"gemm": "gemm", "head_gemm": "gemm", "row_scale": "stream", "add": "stream",
          "cat": "stream", "row_slice": "stream", "diag_mul": "stream"}
@@ -61,13 +64,13 @@ class _Graphs(dict):
 
 
 def _graphs():
-    """``{spec: GraphInfo}`` of the reference graphs (built by the profiler's generators)."""
-    from profiler import generators as gen
+    """``{spec: GraphInfo}`` of the reference graphs (``granii.reference.uniform``)."""
     from .graph import GraphInfo
+    from .reference import uniform
     out, keep = _Graphs(), []
     for _, _, spec, _ in REFERENCE.values():
         if spec is not None and spec not in out:
-            keep.append(gen.build(spec))
+            keep.append(uniform(*spec, undirected=True))
             out[spec] = GraphInfo(keep[-1])
     out.keep = keep
     return out
@@ -85,8 +88,8 @@ def measure(repeat=7):
     warm-up), the calls interleaved. Other processes on the cores only add time (a thread waiting
     for a core), so the fastest run is the machine's own speed."""
     import torch
-    from profiler.points import dense_inputs, graph_inputs
     from . import kernels
+    from .reference import dense_inputs, graph_inputs
     graphs = _graphs()
     fns = {}
     for name, (prim, impl, spec, sizes) in REFERENCE.items():
@@ -202,9 +205,7 @@ def analytical_rates(times):
         s = REFERENCE["stream"][3]
         out["stream_rate"] = 2 * 4.0 * s["n"] * s["k"] / times["stream"]
     if times.get("sparse"):
-        from profiler import generators as gen
-        p = gen.parse_name(REFERENCE["sparse"][2])[1]
-        edges = p["m"] * (2 if p.get("undirected") else 1)
+        edges = 2 * REFERENCE["sparse"][2][1]
         out["gather_rate"] = 4.0 * edges * REFERENCE["sparse"][3]["k"] / times["sparse"]
     if times.get("small"):
         out["call_overhead"] = times["small"] / 2

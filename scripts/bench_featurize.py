@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from granii.featurize import featurize, graph_features  # noqa: E402
 from granii.graph import GraphInfo  # noqa: E402
-from profiler import generators as gen  # noqa: E402
+from granii.profiling import generators as gen  # noqa: E402
 
 TARGETS = [1e4, 1e5, 1e6, 3e6, 1e7]
 

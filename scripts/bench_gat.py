@@ -60,7 +60,7 @@ from granii import kernels  # noqa: E402
 from granii.datasets import load_graph  # noqa: E402
 from granii.graph import graph_info  # noqa: E402
 from granii.kernels import native_gat  # noqa: E402
-from profiler import generators as gen  # noqa: E402
+from granii.profiling import generators as gen  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")

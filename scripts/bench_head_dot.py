@@ -7,7 +7,7 @@ the full graphs with DGL's example of 8 heads x 8 (Cora, PubMed, GitHub), the so
 PubMed block of the mini-batch GAT (8 heads x 32; about 10,000 rows with fanouts 10/10 and 1,024
 seeds) and the PPI example's 4 heads x 256 (on 5,000 rows: two of its graphs). Forward alone and
 forward + backward (gradients of ``X`` and of the attention vectors, as in training), the four
-timed in turn (``profiler.timing.side_by_side``: 15 rounds after 3 warm-ups; medians) inside
+timed in turn (``granii.profiling.timing.side_by_side``: 15 rounds after 3 warm-ups; medians) inside
 granii's memory pool, as a layer runs them. Writes ``head_dot.csv`` and ``head_dot.md``.
 """
 import argparse
@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 from bench.csvfile import write_csv  # noqa: E402
 from granii.kernels import head_dot, pool  # noqa: E402
 from granii.kernels.dense import head_dot_torch  # noqa: E402
-from profiler.timing import side_by_side  # noqa: E402
+from granii.profiling.timing import side_by_side  # noqa: E402
 
 SIZES = [("Cora, 8 x 8", 2708, 8, 8), ("PubMed, 8 x 8", 19717, 8, 8),
          ("GitHub, 8 x 8", 37700, 8, 8), ("PubMed block sources, 8 x 32", 10173, 8, 32),

@@ -8,7 +8,7 @@ Rows sorted by relation as RGCN's compositions hold them: the distinct (source, 
 the graphs generated with the published statistics of AIFB, MUTAG and BGS
 (``granii.hetero_graphs``), at k_in = k_out in {16, 64} (and 256 on AIFB), plus a few long
 segments of a wide weight (where one library GEMM per relation is at its best). The four
-products run side by side (``profiler.timing.side_by_side``: 3 warm-ups, then up to 15 rounds of
+products run side by side (``granii.profiling.timing.side_by_side``: 3 warm-ups, then up to 15 rounds of
 the four in turn; medians), at each thread count. ``typed`` is what ``typed.segment_gemm``
 and ``typed.segment_weight_grad`` route to. Writes ``segment_mm.csv`` and ``segment_mm.md``.
 """
@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
 from bench.csvfile import write_csv  # noqa: E402
 from granii import hetero, hetero_graphs  # noqa: E402
 from granii.kernels import typed  # noqa: E402
-from profiler.timing import side_by_side  # noqa: E402
+from granii.profiling.timing import side_by_side  # noqa: E402
 
 
 def inputs():

@@ -4,7 +4,7 @@
 
 For ``Y = X W`` (``X`` n x k, ``W`` k x m) and the weight gradient ``dW = X^T dY``, times the dense
 products (torch) and the nonzero path (``sparse_rows_mm``, ``sparse_rows_mm_wgrad``) side by side
-(``profiler.timing.side_by_side``: 15 rounds after 3 warm-ups, the four in turn; medians), on the features of Cora and CiteSeer as shipped (bag of words)
+(``granii.profiling.timing.side_by_side``: 15 rounds after 3 warm-ups, the four in turn; medians), on the features of Cora and CiteSeer as shipped (bag of words)
 and after dropout 0.6 (as GAT's examples apply it), and on generated matrices of set densities.
 For each row it records what ``sparse_rows.mostly_zero`` decides and whether that was the faster
 choice for a training step (forward + weight gradient) and for inference (forward only).
@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 from bench.csvfile import write_csv  # noqa: E402
 from granii.datasets import load_planetoid  # noqa: E402
 from granii.kernels import sparse_rows  # noqa: E402
-from profiler.timing import median_time, side_by_side  # noqa: E402
+from granii.profiling.timing import median_time, side_by_side  # noqa: E402
 
 
 def inputs():

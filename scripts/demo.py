@@ -14,7 +14,7 @@ from dgl.nn import GraphConv
 from granii import granii
 from granii.api import layer_states
 from granii.datasets import load_planetoid
-from profiler.timing import fix_threads, side_by_side
+from granii.profiling.timing import fix_threads, side_by_side
 
 
 class GCN(torch.nn.Module):

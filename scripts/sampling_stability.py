@@ -38,7 +38,7 @@ from granii.graph import GraphInfo  # noqa: E402
 from granii.learned import default_cost_model  # noqa: E402
 from granii.plan import compile_plan  # noqa: E402
 from granii.select import rank  # noqa: E402
-from profiler.timing import fix_threads, side_by_side  # noqa: E402
+from granii.profiling.timing import fix_threads, side_by_side  # noqa: E402
 
 GRAPHS = ["pubmed", "github-social", "astro-ph"]
 QUICK_GRAPHS = ["pubmed", "astro-ph"]

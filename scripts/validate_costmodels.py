@@ -61,9 +61,9 @@ from granii.graph import GraphInfo  # noqa: E402
 from granii.learned import load, models_dir  # noqa: E402
 from granii.plan import GRAPH, compile_plan, step_impls  # noqa: E402
 from granii.select import rank, scenario  # noqa: E402
-from profiler import points as pts  # noqa: E402
-from profiler.harness import Probe  # noqa: E402
-from profiler.timing import fix_threads, side_by_side  # noqa: E402
+from granii.profiling import points as pts  # noqa: E402
+from granii.profiling.harness import Probe  # noqa: E402
+from granii.profiling.timing import fix_threads, side_by_side  # noqa: E402
 
 SIZES = [32, 256, 1024]
 HEADS = [1, 4]

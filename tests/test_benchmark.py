@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:       # ``bench/`` lives beside the installed pack
     sys.path.insert(0, str(ROOT))
 
 from bench import e2e, graphs, measure, models, overhead, report, runs  # noqa: E402
-from profiler import generators as gen  # noqa: E402
+from granii.profiling import generators as gen  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 
 from granii import featurize as fz
 from granii.graph import GraphInfo, graph_info
-from profiler import generators as gen
+from granii.profiling import generators as gen
 
 
 def _graph(u, v, n):

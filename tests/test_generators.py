@@ -4,7 +4,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from profiler import generators as gen
+from granii.profiling import generators as gen
 
 
 def _edge_keys(g):

@@ -17,10 +17,10 @@ from granii.costmodel import AnalyticalCost
 from granii.fingerprint import differences, fingerprint_id, machine_fingerprint
 from granii.graph import GraphInfo
 from granii.learned import MANIFEST, CostModelError, LearnedCost, Trees, load, model_inputs
-from profiler import generators as gen
-from profiler.harness import GRAPHS, POINTS, _append, graph_record
-from profiler.points import point_key
-from profiler.train import train
+from granii.profiling import generators as gen
+from granii.profiling.harness import GRAPHS, POINTS, _append, graph_record
+from granii.profiling.points import point_key
+from granii.profiling.train import train
 
 GRAPH_NAMES = ["uniform:n=300,m=2400,seed=1,undirected=0", "grid2d:rows=12,cols=15",
                "rmat:scale=8,edge_factor=8,a=0.57,b=0.19,c=0.19,seed=2,undirected=1",

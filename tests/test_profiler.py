@@ -7,11 +7,12 @@ import torch
 from granii.fingerprint import machine_fingerprint
 from granii.graph import GraphInfo
 from granii.learned import TRAIN_GRADS, LearnedCost, load
-from profiler import generators as gen
-from profiler import points as pts
-from profiler import harness
-from profiler.harness import POINTS, approx_size, done_keys, kernels_build, read_jsonl
-from profiler.train import add, train
+from granii.profiling import generators as gen
+from granii.profiling import points as pts
+from granii.profiling import harness
+from granii.profiling.generators import approx_size
+from granii.profiling.harness import POINTS, done_keys, kernels_build, read_jsonl
+from granii.profiling.train import add, train
 
 GRAPHS = ["uniform:n=200,m=800,seed=0,undirected=0", "grid2d:rows=10,cols=12"]
 SPMM_IMPLS = [i for p, i in pts.registered(["spmm"])][0]
@@ -167,7 +168,7 @@ def test_contended_points_are_retried_on_request(tmp_path):
 
 def test_points_whose_rounds_disagree_are_retried_and_not_trained_on(tmp_path):
     """A median far above the fastest round is waiting for the cores, not the kernel."""
-    from profiler.train import usable
+    from granii.profiling.train import usable
     run = tmp_path / "run"
     profile(tiny(prims=["gemm"], gemm_m=[64], gemm_kn=[16]), run, progress=False, log=_quiet)
     rec = _points(run)[0]
@@ -349,7 +350,7 @@ def test_shipped_models_price_every_profiled_pair():
 
 
 def test_only_names_profiled_primitives_and_needs_a_model_folder(tmp_path):
-    from scripts.init_machine import main
+    from granii.profiling.init_machine import main
     with pytest.raises(SystemExit, match="no profiled primitive nonesuch"):
         main(["--only", "nonesuch", "--out", str(tmp_path), "--runs", str(tmp_path)])
     with pytest.raises(SystemExit, match="without --only first"):

@@ -2,11 +2,12 @@
 
     bash scripts/init.sh [--quick]          (sets up the environment first)
     granii-init [--quick]                   (console command of an installed granii)
-    python -m scripts.init_machine [--quick] [--no-resume] [--threads 2] [--out costmodels]
+    python -m granii.profiling.init_machine [--quick] [--no-resume] [--threads 2] [--out costmodels]
 
-Profiles (``profiler.harness``) into ``profiler/runs/<fingerprint id>/``, resuming an interrupted
-run by default, then trains one model per (primitive, implementation) (``profiler.train``) into
-``<out>/<fingerprint id>/`` and checks that the result loads. Each primitive is profiled in two
+Profiles (``granii.profiling.harness``) into ``<cache>/runs/<fingerprint id>/`` (``$GRANII_CACHE``,
+default ``~/.cache/granii``), resuming an interrupted run by default, then trains one model per
+(primitive, implementation) (``granii.profiling.train``) into ``<out>/<fingerprint id>/`` and
+checks that the result loads. Each primitive is profiled in two
 phases: the forward alone and the forward with its backward (the gradients a training step
 needs). The machine's calibration (``granii.calibration``, a few seconds) is measured too and
 stored in the manifest, so the models can be carried to other machines. ``--quick`` takes at
@@ -22,18 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from granii import calibration  # noqa: E402
-from granii.fingerprint import fingerprint_id, machine_fingerprint  # noqa: E402
-from granii.learned import DEFAULT_DIR, MANIFEST, load  # noqa: E402
-from profiler.harness import POINTS, profile, read_jsonl  # noqa: E402
-from profiler.points import CONFIGS  # noqa: E402
-from profiler.timing import fix_threads  # noqa: E402
-from profiler.train import add, train  # noqa: E402
-from granii.cli import _positive  # noqa: E402
+from granii import calibration
+from granii.cli import _positive
+from granii.fingerprint import fingerprint_id, machine_fingerprint
+from granii.learned import DEFAULT_DIR, MANIFEST, load
+from granii.profiling.harness import POINTS, profile, read_jsonl
+from granii.profiling.points import CONFIGS
+from granii.profiling.timing import fix_threads
+from granii.profiling.train import PARAMS, add, train
 
 
 def parse_args(argv=None):
@@ -44,8 +41,9 @@ def parse_args(argv=None):
                     help="continue a previous run's records (default); --no-resume starts over")
     ap.add_argument("--out", type=Path, default=DEFAULT_DIR,
                     help="folder of the per-machine model folders (default: costmodels/)")
-    ap.add_argument("--runs", type=Path, default=ROOT / "profiler" / "runs",
-                    help="folder of the profiling records (default: profiler/runs/)")
+    ap.add_argument("--runs", type=Path, default=calibration.cache_dir() / "runs",
+                    help="folder of the profiling records (default: runs/ in $GRANII_CACHE, "
+                         "~/.cache/granii)")
     ap.add_argument("--threads", type=_positive, default=2, help="torch threads to profile with")
     ap.add_argument("--retry-contended", action="store_true",
                     help="measure again the points recorded while other processes held the cores")
@@ -127,7 +125,6 @@ def main(argv=None):
                 if summary else None, "counts": summary["counts"] if summary else None,
                 "stopped_early": summary.get("stopped_early") if summary else None,
                 "load": load_note(run_dir)}
-    from profiler.train import PARAMS
     manifest = train(run_dir, run_dir / "models" if args.only else out, fp, run_info=run_info,
                      params=dict(PARAMS, n_estimators=config.trees),
                      clean_only=not args.keep_contended,

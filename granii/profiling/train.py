@@ -24,10 +24,10 @@ from granii.learned import (BASELINE, FORMAT, MANIFEST, MODEL_SIZES, file_sha256
                             parse_model_key)
 from granii.fingerprint import fingerprint_id
 from granii.graph import GraphInfo
-from profiler import generators as gen
-from profiler.harness import (GRAPHS, POINTS, _append, graph_record, graph_table, read_jsonl,
-                              unsettled)
-from profiler.points import DENSE
+from granii.profiling import generators as gen
+from granii.profiling.harness import (GRAPHS, POINTS, _append, graph_record, graph_table,
+                                      read_jsonl, unsettled)
+from granii.profiling.points import DENSE
 
 PARAMS = dict(n_estimators=160, max_depth=5, learning_rate=0.1, min_child_weight=2.0,
               subsample=0.85, colsample_bytree=0.85, reg_lambda=1.0, tree_method="hist",

@@ -2,7 +2,7 @@
 
 A *point* is one (primitive, graph or ``"dense"``, sizes) cell; every implementation of the
 primitive is timed on it side by side. Sparse primitives run on the corpus graphs
-(``profiler.generators.corpus``) plus one-hop neighbour-sampled blocks of some of them, over the
+(``generators.corpus``) plus one-hop neighbour-sampled blocks of some of them, over the
 embedding sizes ``k`` (or the head counts of edge scores); the dense ones on size grids alone:
 GEMM on ``(m, k, n)`` (``m`` rows of ``X``, ``X W`` with ``W`` of shape ``k x n``), the row
 scaling on ``(n, k)``, GAT's per-head scores ``head_dot`` on ``(m, k = heads x F, n = heads)``
@@ -22,7 +22,8 @@ import torch
 from granii import kernels
 from granii.costmodel import PRICED_AS
 from granii.learned import MODEL_SIZES, PHASES, TRAIN_GRADS, baseline_seconds
-from profiler import generators as gen
+from granii.reference import dense_inputs, graph_inputs  # noqa: F401  (the inputs of a point)
+from granii.profiling import generators as gen
 
 try:        # the fused GAT kernels register themselves when imported
     import granii.kernels.native_gat  # noqa: F401
@@ -112,8 +113,7 @@ def full_config():
 
 
 def _approx_edges(name):
-    from profiler.harness import approx_size
-    return approx_size(name)[1]
+    return gen.approx_size(name)[1]
 
 
 CONFIGS = {"quick": quick_config, "full": full_config}
@@ -247,60 +247,6 @@ def available_bytes():
 
 
 # -- inputs ----------------------------------------------------------------------------------------
-def graph_inputs(prim, gi, sizes, seed=0):
-    """Arguments after ``gi`` of a call of ``prim`` on ``gi`` with ``sizes`` (no grad)."""
-    gen_ = torch.Generator().manual_seed(seed)
-    n_src, n_dst, e = gi.num_src, gi.num_dst, gi.num_edges
-    if prim == "spmm_norm":
-        x = torch.randn(n_src, sizes["k"], generator=gen_)
-        d_dst = gi.in_degrees().clamp(min=1).pow(-0.5)
-        d_src = gi.out_degrees().clamp(min=1).pow(-0.5)
-        return (d_dst, d_src, x)
-    if prim == "gat_aggregate":
-        h, k = sizes["heads"], sizes["k"]
-        return (torch.randn(n_src, h, 1, generator=gen_), torch.randn(n_dst, h, 1, generator=gen_),
-                torch.randn(n_src, h, k // h, generator=gen_), 0.2)
-    if prim == "spmm_heads":        # softmax-like edge values, one per head
-        return (torch.rand(e, sizes["heads"], generator=gen_),
-                torch.randn(n_src, sizes["k"], generator=gen_))
-    if prim.startswith("spmm"):
-        x = torch.randn(n_src, sizes["k"], generator=gen_)
-        if prim == "spmm_weighted":
-            d_in = gi.in_degrees().clamp(min=1).pow(-0.5)
-            d_out = gi.out_degrees().clamp(min=1).pow(-0.5)
-            src, dst = gi.edges()
-            w = (d_in[dst] * d_out[src]).contiguous()
-            return (w, x)
-        return (x,)
-    if prim == "sddmm_scale":
-        d_dst = gi.in_degrees().clamp(min=1).pow(-0.5)
-        d_src = gi.out_degrees().clamp(min=1).pow(-0.5)
-        return (d_dst, None, d_src)
-    h = sizes["heads"]
-    if prim == "sddmm_add":
-        return (torch.randn(n_src, h, 1, generator=gen_), torch.randn(n_dst, h, 1, generator=gen_))
-    if prim == "edge_softmax":
-        return (torch.randn(e, h, 1, generator=gen_),)
-    raise KeyError(f"granii: no profiling inputs for {prim}")
-
-
-def dense_inputs(prim, sizes, seed=0):
-    gen_ = torch.Generator().manual_seed(seed)
-    if prim == "gemm":
-        return (torch.randn(sizes["m"], sizes["k"], generator=gen_),
-                torch.randn(sizes["k"], sizes["n"], generator=gen_))
-    if prim == "head_gemm":
-        return (torch.randn(sizes["m"], sizes["heads"], sizes["k"], generator=gen_),
-                torch.randn(sizes["k"], sizes["n"], generator=gen_))
-    if prim == "head_dot":          # X, blockdiag(a_1 .. a_H)
-        m, k, h = sizes["m"], sizes["k"], sizes["n"]
-        a = torch.randn(h, k // h, generator=gen_)
-        return (torch.randn(m, k, generator=gen_),
-                torch.block_diag(*(a[i].unsqueeze(1) for i in range(h))))
-    return (torch.rand(sizes["n"], generator=gen_) + 0.5,
-            torch.randn(sizes["n"], sizes["k"], generator=gen_))
-
-
 def runners(prim, gi, sizes, impls, phase="forward"):
     """``{impl: zero-argument callable}`` running ``prim`` by each implementation on one input.
 

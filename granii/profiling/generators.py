@@ -18,21 +18,7 @@ import dgl
 import numpy as np
 import torch
 
-
-def make_graph(u, v, num_nodes, undirected=False, remove_self_loops=True, dedupe=True):
-    """A DGL graph (int64) on ``num_nodes`` nodes from edge arrays ``u -> v``."""
-    u = np.asarray(u, dtype=np.int64)
-    v = np.asarray(v, dtype=np.int64)
-    if undirected:
-        u, v = np.concatenate([u, v]), np.concatenate([v, u])
-    if remove_self_loops:
-        keep = u != v
-        u, v = u[keep], v[keep]
-    if dedupe and len(u):
-        key = np.unique(u * num_nodes + v)
-        u, v = key // num_nodes, key % num_nodes
-    return dgl.graph((torch.from_numpy(u), torch.from_numpy(v)), num_nodes=num_nodes,
-                     idtype=torch.int64)
+from granii.reference import make_graph, uniform  # noqa: F401  (the corpus's uniform family)
 
 
 def simplify(g, undirected=False, remove_self_loops=True, dedupe=True):
@@ -73,32 +59,6 @@ def rmat(scale, edge_factor=16, a=0.57, b=0.19, c=0.19, seed=0, undirected=True,
         perm = rng.permutation(n)
         u, v = perm[u], perm[v]
     return make_graph(u, v, n, undirected, remove_self_loops, dedupe)
-
-
-def uniform(n, m, seed=0, undirected=False):
-    """Erdős–Rényi ``G(n, m)``: exactly ``m`` distinct non-loop edges, uniform over such sets.
-
-    Directed: ``m`` ordered pairs ``u != v`` (``m <= n (n - 1)``); undirected: ``m`` unordered
-    pairs stored both ways (``2m`` edges, ``m <= n (n - 1) / 2``). Degrees are ~ Poisson(m / n).
-    Pairs are drawn with replacement, the first occurrence of each kept, and the deficit redrawn.
-    """
-    limit = n * (n - 1) // (2 if undirected else 1)
-    if m > limit:
-        raise ValueError(f"granii: uniform({n}, {m}) asks for more than the {limit} possible edges")
-    rng = np.random.default_rng(seed)
-    keys = np.empty(0, dtype=np.int64)
-    while len(keys) < m:
-        need = m - len(keys)
-        draw = int(need * 1.1) + 16
-        u = rng.integers(0, n, draw)
-        v = rng.integers(0, n, draw)
-        if undirected:
-            u, v = np.minimum(u, v), np.maximum(u, v)
-        new = (u * n + v)[u != v]
-        keys = np.concatenate([keys, new])
-        _, first = np.unique(keys, return_index=True)
-        keys = keys[np.sort(first)][:m]
-    return make_graph(keys // n, keys % n, n, undirected, remove_self_loops=False, dedupe=True)
 
 
 def grid2d(rows, cols, undirected=True):
@@ -443,6 +403,40 @@ _CORPUS = {
 }
 _CORPUS_FAMILIES = ["rmat", "rmat-directed", "uniform", "uniform-directed", "grid2d", "road",
                     "community", "sample"]
+
+
+def approx_size(name):
+    """``(nodes, edges)`` a corpus name will roughly have, without building it."""
+    fam, p = parse_name(name)
+    two = lambda: 2 if p.get("undirected", 1) else 1
+    if fam == "rmat":
+        n = 2 ** p["scale"]
+        return n, int(0.85 * two() * p.get("edge_factor", 16) * n)
+    if fam == "uniform":
+        return p["n"], two() * p["m"]
+    if fam == "grid2d":
+        return p["rows"] * p["cols"], 4 * p["rows"] * p["cols"]
+    if fam == "road":
+        return p["n"], int(2.8 * p["n"])
+    if fam == "community":
+        return p["n"], int(p["n"] * p["degree"])
+    if fam == "mycielskian":
+        n, m = mycielskian_size(p["k"])
+        return n, 2 * m
+    if fam == "sample":
+        bn, be = approx_size(p["base"])
+        seeds = p.get("num_seeds") or int(p["fraction"] * bn)
+        fan = p.get("fanout")
+        if fan is None:
+            return seeds, int(be * (seeds / max(bn, 1)) ** 2)
+        hops = [fan] if not isinstance(fan, list) else fan
+        deg = be / max(bn, 1)
+        e, frontier = 0, seeds
+        for f in hops:
+            e += frontier * min(f, deg)
+            frontier = frontier * min(f, deg)
+        return int(seeds + e), int(e)
+    return 1000, 10000
 
 
 def corpus(kind="quick", seed=0):

@@ -14,8 +14,8 @@ and flushed, so an interrupted run loses at most the point in progress; a resume
 keys back and skips them (skipped points included), unless the records were measured with other
 native kernels than the ones loaded now (``kernels.json`` in the run directory holds the hash of
 their sources): then it starts over, so no model is trained on timings of two builds.
-Implementations of a point run side by side (``profiler.timing.side_by_side``) so load on the
-machine hits all of them alike.
+Implementations of a point run side by side (``timing.side_by_side``) so load on the machine hits
+all of them alike.
 """
 import gc
 import json
@@ -30,9 +30,9 @@ import torch
 from granii.featurize import FEATURE_NAMES, graph_features
 from granii.graph import GraphInfo
 from granii.kernels import pool
-from profiler import generators as gen
-from profiler import points as pts
-from profiler.timing import fix_threads, side_by_side, time_once
+from granii.profiling import generators as gen
+from granii.profiling import points as pts
+from granii.profiling.timing import fix_threads, side_by_side, time_once
 
 POINTS = "points.jsonl"
 GRAPHS = "graphs.jsonl"
@@ -93,41 +93,6 @@ def graph_record(name, gi):
     return {"graph": name, "num_src": gi.num_src, "num_dst": gi.num_dst,
             "num_edges": gi.num_edges, "is_block": bool(gi.is_block),
             "feature_names": list(FEATURE_NAMES), "features": graph_features(gi)}
-
-
-# -- size estimates for the progress bar -----------------------------------------------------------
-def approx_size(name):
-    """``(nodes, edges)`` a corpus name will roughly have, without building it."""
-    fam, p = gen.parse_name(name)
-    two = lambda: 2 if p.get("undirected", 1) else 1
-    if fam == "rmat":
-        n = 2 ** p["scale"]
-        return n, int(0.85 * two() * p.get("edge_factor", 16) * n)
-    if fam == "uniform":
-        return p["n"], two() * p["m"]
-    if fam == "grid2d":
-        return p["rows"] * p["cols"], 4 * p["rows"] * p["cols"]
-    if fam == "road":
-        return p["n"], int(2.8 * p["n"])
-    if fam == "community":
-        return p["n"], int(p["n"] * p["degree"])
-    if fam == "mycielskian":
-        n, m = gen.mycielskian_size(p["k"])
-        return n, 2 * m
-    if fam == "sample":
-        bn, be = approx_size(p["base"])
-        seeds = p.get("num_seeds") or int(p["fraction"] * bn)
-        fan = p.get("fanout")
-        if fan is None:
-            return seeds, int(be * (seeds / max(bn, 1)) ** 2)
-        hops = [fan] if not isinstance(fan, list) else fan
-        deg = be / max(bn, 1)
-        e, frontier = 0, seeds
-        for f in hops:
-            e += frontier * min(f, deg)
-            frontier = frontier * min(f, deg)
-        return int(seeds + e), int(e)
-    return 1000, 10000
 
 
 def _weight(config, prim, sizes, n_impls, n_src=0, n_dst=0, e=0, phase="forward"):
@@ -391,7 +356,7 @@ def plan_weight(config, prims):
                     total += _weight(config, prim, sizes, len(impls), phase=ph)
                     n += 1
     for name, _ in pts.graph_jobs(config):
-        nodes, e = approx_size(name)
+        nodes, e = gen.approx_size(name)
         for prim, impls in prims:
             if prim in pts.GRAPH_PRIMS:
                 for sizes in pts.graph_sizes(prim, config):
@@ -432,8 +397,11 @@ def _profile(config, run_dir, threads, resume, progress, log, retry_contended, t
     log(f"granii: profiling '{config.name}' with {threads} threads: {n_points} points "
         f"({len(run.done)} already recorded) over {len(pts.graph_jobs(config))} graphs and the "
         f"dense grids; records in {run.dir}")
+    try:
+        from tqdm import tqdm       # DGL's dependency; without it, no progress bar
+    except ImportError:
+        progress = False
     if progress:
-        from tqdm import tqdm
         run.bar = tqdm(total=round(total, 3), unit="s", unit_scale=False, dynamic_ncols=True,
                        bar_format="{l_bar}{bar}| [{elapsed}<{remaining}] {postfix}",
                        desc="profiling", smoothing=0.05)

@@ -33,7 +33,6 @@ module on ones of the attention's size and pass it as per-head edge weights (``f
 """
 import math
 
-import dgl
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -155,6 +154,7 @@ def _weighted(a, edge_weight):
 def gat_aggregate_dgl(gi, el, er, feat, slope, edge_weight=None, bias=None):
     """``gat_aggregate`` with DGL's ops, as GATConv runs it: ``u_add_v``, ``leaky_relu``,
     ``edge_softmax``, the edge weight, ``u_mul_e_sum`` [, + bias]."""
+    import dgl
     _check_shapes(gi, el, er, feat, edge_weight, bias)
     g, heads = gi.g, feat.shape[1]
     e = dgl.ops.u_add_v(g, el.reshape(gi.num_src, heads, 1), er.reshape(gi.num_dst, heads, 1))

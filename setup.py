@@ -20,8 +20,11 @@ Python side calls ``torch.ops.granii.my_op`` after ``granii.kernels.native.load(
 unique across files.
 
 Built by ``pip install --no-deps --no-build-isolation -e .`` (``scripts/env.sh``): setuptools
-builds the extension in place (``granii/_native*.so``). Flags: ``-O3 -march=native`` (built on
-the machine that runs it) and ``-fopenmp`` so ``at::parallel_for`` runs in torch's own OpenMP
+builds the extension in place, into the folder of the torch that builds it
+(``granii/_native_builds/torch-<version>/_native*.so``, ``granii/kernels/extension.py``, which
+loads it): environments with different torch versions share the checkout, each with its own
+build (and its own object files, in ``build/<temp>/torch-<version>``). Flags:
+``-O3 -march=native`` (built on the machine that runs it) and ``-fopenmp`` so ``at::parallel_for`` runs in torch's own OpenMP
 pool (libgomp.so.1 resolves to the copy torch already loaded). ``GRANII_CXXFLAGS`` appends flags
 (experiments); ``GRANII_NO_NATIVE=1`` skips the build. ``scripts/env.sh`` rebuilds the extension
 with ``python setup.py build_ext --inplace`` when a file of ``csrc/`` or this file changed: ninja
@@ -31,6 +34,7 @@ kernels.
 """
 import glob
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -58,6 +62,17 @@ def sources_sha():
     return h.hexdigest()[:16]
 
 
+def _extension_paths():
+    """``granii/kernels/extension.py``, loaded by its path (importing granii would import all
+    of it): where the build for the running torch goes."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location(
+        "granii_extension_paths", os.path.join(here, "granii", "kernels", "extension.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _native():
     """``(ext_modules, cmdclass)`` for the extension, or why it is not built."""
     if os.environ.get("GRANII_NO_NATIVE", "") not in ("", "0"):
@@ -73,10 +88,34 @@ def _native():
     except ImportError as e:
         return [], {}, f"torch is not importable in the build environment ({e})"
 
+    where = _extension_paths()
+
     class TolerantBuild(BuildExtension):
-        """torch's BuildExtension; a failed compilation is reported, not fatal."""
+        """torch's BuildExtension; a failed compilation is reported, not fatal. The library goes
+        to the running torch's folder (``extension.path()``), the object files to a folder of
+        their own per torch version."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            self.build_temp = os.path.join(self.build_temp, where.build_dir_name())
+
+        def get_ext_filename(self, fullname):
+            name = super().get_ext_filename(fullname)
+            if fullname.split(".")[-1] != NAME.split(".")[-1]:
+                return name
+            head, base = os.path.split(name)
+            return os.path.join(head, where.BUILDS, where.build_dir_name(), base)
+
+        def _get_inplace_equivalent(self, build_py, ext):
+            # setuptools copies an in-place build to <package>/<file name>; keep the folder
+            inplace_file, regular_file = super()._get_inplace_equivalent(build_py, ext)
+            if ext.name == NAME:
+                inplace_file = str(where.path())
+            return inplace_file, regular_file
 
         def run(self):
+            if self.inplace or getattr(self, "editable_mode", False):
+                os.makedirs(os.path.dirname(where.path()), exist_ok=True)
             try:
                 super().run()
             except Exception as e:  # noqa: BLE001 (a compiler error may be of any type)

@@ -22,15 +22,15 @@ unique across files.
 Built by ``pip install --no-deps --no-build-isolation -e .`` (``scripts/env.sh``): setuptools
 builds the extension in place, into the folder of the torch that builds it
 (``granii/_native_builds/torch-<version>/_native*.so``, ``granii/kernels/extension.py``, which
-loads it): environments with different torch versions share the checkout, each with its own
-build (and its own object files, in ``build/<temp>/torch-<version>``). Flags:
-``-O3 -march=native`` (built on the machine that runs it) and ``-fopenmp`` so ``at::parallel_for`` runs in torch's own OpenMP
-pool (libgomp.so.1 resolves to the copy torch already loaded). ``GRANII_CXXFLAGS`` appends flags
-(experiments); ``GRANII_NO_NATIVE=1`` skips the build. ``scripts/env.sh`` rebuilds the extension
-with ``python setup.py build_ext --inplace`` when a file of ``csrc/`` or this file changed: ninja
-(in the lock) recompiles only the changed files in ``build/``. Without torch or a compiler, or if the
-compilation fails, the install still succeeds: the build says why and granii uses its other
-kernels.
+loads it): environments with different torch versions share the checkout, each with its own build
+(and its own object files, in ``build/<temp>/torch-<version>``). Flags: ``-O3 -march=native``
+(built on the machine that runs it) and ``-fopenmp`` so ``at::parallel_for`` runs in torch's own
+OpenMP pool (libgomp.so.1 resolves to the copy torch already loaded). ``GRANII_CXXFLAGS`` appends
+flags (experiments); ``GRANII_NO_NATIVE=1`` skips the build. ``scripts/env.sh`` rebuilds the
+extension with ``python setup.py build_ext --inplace`` when a file of ``csrc/`` or this file
+changed: ninja (in the lock) recompiles only the changed files in ``build/``. Without torch or a
+compiler, or if the compilation fails, the install still succeeds: the build says why and granii
+uses its other kernels.
 """
 import glob
 import hashlib

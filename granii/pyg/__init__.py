@@ -1,0 +1,159 @@
+"""granii for PyTorch Geometric layers: lower a ``MessagePassing`` layer, enumerate and run its plans.
+
+    from granii import pyg
+    prepared = pyg.prepare(conv, x, edge_index, edge_weight)   # lower + enumerate + bind one call
+    out = pyg.run(prepared)                                    # the first promoted plan
+    for plan, impls in pyg.plan_choices(prepared):             # every plan, every kernel
+        out = pyg.run(prepared, plan, impls)
+
+The layer's forward is read from the installed PyG source (``frontend.py``), lowered to granii's
+matrix IR, and the plans are those of the core (``granii.enumerate``, ``prune``, ``plan``,
+``fuse``), as for DGL layers. The graph may be ``edge_index`` [2, E], PyG's ``EdgeIndex`` or a
+``torch.sparse`` adjacency (``graph.py``); kernels run on granii's index structures, never on DGL
+(the DGL implementations of a primitive are left out). Nothing here imports DGL.
+
+A layer or call the frontend does not lower raises ``FrontendError`` naming the construct;
+``granii(model, x, edge_index)`` then runs the layer's own forward.
+"""
+import inspect
+
+import torch
+
+from ..frontend.values import FrontendError, RaisesForConfig
+from .frontend import PygIR, is_pyg_layer, lower_pyg
+from .graph import IndexGraph, derived, graph_info, index_graph, input_kind
+
+__all__ = ["FrontendError", "IndexGraph", "PygIR", "Prepared", "bind_values", "compile_pyg",
+           "derived", "graph_info", "index_graph", "input_kind", "is_pyg_layer", "plan_choices",
+           "prepare", "run", "step_impls"]
+
+# implementations that need a DGL graph
+_DGL_IMPLS = ("dgl",)
+
+
+def bind_values(layer, args, kwargs):
+    """``{parameter: value}`` of a call of ``layer.forward``, defaults filled in."""
+    bound = inspect.signature(layer.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def unsupported_input(values, feat, graph):
+    """Why a call cannot run a plan (a string), or ``None``."""
+    x, g = values.get(feat), values.get(graph)
+    if not isinstance(x, torch.Tensor):
+        return f"features of type {type(x).__name__} (a pair of tensors is not optimized yet)"
+    if x.dim() != 2:
+        return f"features with {x.dim()} dimensions (only N x k features are optimized)"
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return f"features of dtype {x.dtype} on {x.device} (float32 on CPU is optimized)"
+    if input_kind(g) is None:
+        return (f"a graph given as {type(g).__name__}: PyG's edge_index [2, E], EdgeIndex or a "
+                "torch.sparse adjacency are read")
+    if input_kind(g) == "adj_t" and tuple(g.shape) != (x.shape[0], x.shape[0]):
+        return f"a sparse adjacency of shape {tuple(g.shape)} for {x.shape[0]} nodes"
+    return None
+
+
+def compile_pyg(layer, values):
+    """``(PygIR, Compiled)`` of ``layer`` for the call signature of ``values``; raises
+    ``FrontendError`` (or ``RaisesForConfig``) when the forward is not lowered."""
+    from ..dispatch import Compiled, _enumerate
+    names = list(values)
+    kind = input_kind(values[names[1]])
+    pir = lower_pyg(layer, values, kind)
+    done = _enumerate(pir.layer_ir, type(layer).__name__)
+    if isinstance(done, Exception):
+        raise done
+    n_trees, plans, n_promoted, n_orders, note = done
+    leaves = {v: leaf for plan in plans for v, leaf in plan.leaves.items()}
+    return pir, Compiled(pir.layer_ir, n_trees, list(plans), leaves, n_promoted, n_orders, note)
+
+
+class Prepared:
+    """One bound call of a PyG layer: ``call`` is the core's ``dispatch.Call``, ``pir`` and
+    ``compiled`` its lowered and enumerated forms."""
+
+    def __init__(self, layer, pir, compiled, call):
+        self.layer, self.pir, self.compiled, self.call = layer, pir, compiled, call
+
+    @property
+    def plans(self):
+        return self.compiled.plans
+
+
+def bind_call(layer, pir, compiled, values, state=None):
+    """The core's ``Call`` of a PyG call: the graph the propagates run on (self loops added as
+    the code adds them), the per-edge values computed, leaves bound and sizes checked."""
+    from ..dispatch import Call, _bind, new_state
+    from .bind import edge_values
+    x = values[pir.feat]
+    base = index_graph(values[pir.graph], x.shape[0])
+    g = derived(base, pir.how)
+    gi = graph_info(g)
+    vals = {pir.graph: g, pir.feat: x}
+    vals.update((n, v) for n, v in values.items() if n not in vals)
+    for key, ev in pir.edge_values.items():
+        vals[key] = edge_values(ev, base, values, x.dtype)
+    state = state or new_state(layer)
+    leaf_vals, (symbols, sym_key) = _bind(state, compiled, gi, vals, layer)
+    grad = torch.is_grad_enabled()
+    training = grad and any(p.requires_grad for p in layer.parameters())
+    key = (id(compiled), pir.layer_ir.present, False, ())
+    return Call(compiled, gi, leaf_vals, symbols, key, training, grad and x.requires_grad,
+                layer, False, sym_key)
+
+
+def prepare(layer, *args, **kwargs):
+    """Lower ``layer`` for this call, enumerate its plans and bind the call: a ``Prepared``.
+    Raises ``FrontendError`` when the layer or the call is not lowered, ``ValueError`` for
+    inputs no plan runs on."""
+    values = bind_values(layer, args, kwargs)
+    names = list(values)
+    why = unsupported_input(values, names[0], names[1])
+    if why:
+        raise ValueError(f"granii: {why}")
+    pir, compiled = compile_pyg(layer, values)
+    if not compiled.plans:
+        raise FrontendError("enumeration", "no plan was promoted")
+    return Prepared(layer, pir, compiled, bind_call(layer, pir, compiled, values))
+
+
+def step_impls(step):
+    """The kernel implementations of a plan step that run on an index graph (not DGL's)."""
+    from ..plan import step_impls as all_impls
+    return tuple(i for i in all_impls(step) if i not in _DGL_IMPLS)
+
+
+def plan_choices(prepared):
+    """``(plan, impls)`` for every promoted plan (and fused variant) and every kernel of each
+    step: the ``i``-th choice takes each step's ``i``-th implementation (its last where it has
+    fewer), so each implementation runs in place once. Plans with a step that only DGL runs
+    are left out."""
+    out = []
+    for plan in prepared.plans:
+        per_step = [step_impls(s) for s in plan.steps]
+        if any(not o for o in per_step):
+            continue
+        n = max((len(o) for o in per_step), default=1)
+        for impls in dict.fromkeys(tuple(o[min(i, len(o) - 1)] for o in per_step)
+                                   for i in range(n)):
+            out.append((plan, impls))
+    return out
+
+
+def run(prepared, plan=None, impls=None):
+    """Run ``plan`` (default: the first promoted plan that runs here) with kernel
+    implementations ``impls`` (default: each step's first) on the prepared call."""
+    from ..dispatch import run_plan
+    if plan is None:
+        choices = plan_choices(prepared)
+        if not choices:
+            raise FrontendError("plans", "every plan needs a kernel only DGL has")
+        plan, impls = choices[0]
+    if impls is None:
+        impls = tuple(step_impls(s)[0] for s in plan.steps)
+    return run_plan(prepared.call, plan, impls)
+
+
+_ = RaisesForConfig

@@ -1,0 +1,78 @@
+"""Binding a PyG call: the graph, the per-edge values the frontend left to compute, the leaves.
+
+``edge_values(ev, base, values)`` computes a ``values.EdgeVal`` on the real graph, in the edge
+order of the graph it belongs to (``base`` with the self loops ``ev.graph.how`` added):
+
+    w                  the argument ``values[arg]``; with self loops added, PyG's values for them:
+                       ``add``: ``cat(w, fill)``; ``remaining``: the kept edges' ``w``, then per
+                       node its existing loop's ``w`` (the last one) or ``fill``
+    deg (DegVec)       ``scatter_add(w or 1, index)`` over that graph, ``^power``, ``inf -> 0`` if
+                       masked
+    product            ``const * w * prod deg_i[side_i]``
+
+Values that read no argument depend on the graph alone: they are computed once per graph (no
+gradient) and kept in its ``GraphInfo`` cache.
+"""
+import torch
+
+from .graph import derived, graph_info, loops_added
+from .values import EdgeVal
+
+
+def _weight(w_spec, base, values):
+    w = values[w_spec.arg]
+    w = w.reshape(-1)
+    if w_spec.how is None:
+        return w
+    _, kept = loops_added(base, w_spec.how)
+    fill = torch.full((base.n,), w_spec.fill, dtype=w.dtype)
+    if w_spec.how == "add":
+        return torch.cat([w, fill])
+    loops = ~kept
+    fill = fill.index_put((base.src[loops],), w[loops])
+    return torch.cat([w[kept], fill])
+
+
+def _reads_argument(ev):
+    if ev.weight is not None:
+        return True
+    return any(v.weight is not None and _reads_argument(v.weight) for v, _ in ev.gathers)
+
+
+def _degree(vec, base, values, dtype):
+    g = derived(base, vec.graph.how)
+    idx = g.dst if vec.side == "dst" else g.src
+    w = (edge_values(vec.weight, base, values) if vec.weight is not None
+         else torch.ones(g.num_edges(), dtype=dtype))
+    deg = torch.zeros(g.n, dtype=w.dtype).scatter_add(0, idx, w)
+    if vec.power != 1:
+        deg = deg.pow(vec.power)
+    if vec.masked:
+        deg = deg.masked_fill(deg == float("inf"), 0)
+    return deg
+
+
+def edge_values(ev, base, values, dtype=torch.float32):
+    """The values of ``ev`` (an ``EdgeVal``) per edge of its graph, shape (E,)."""
+    if not _reads_argument(ev):
+        gi = graph_info(derived(base, ev.graph.how))
+        key = ("pyg_values", ev.key(), dtype)
+        with torch.no_grad():
+            return gi.memo(key, lambda: _compute(ev, base, values, dtype))
+    return _compute(ev, base, values, dtype)
+
+
+def _compute(ev, base, values, dtype):
+    g = derived(base, ev.graph.how)
+    out = _weight(ev.weight, base, values) if ev.weight is not None else None
+    for vec, side in ev.gathers:
+        d = _degree(vec, base, values, dtype)[g.src if side == "src" else g.dst]
+        out = d if out is None else out * d
+    if out is None:
+        out = torch.ones(g.num_edges(), dtype=dtype)
+    if ev.const != 1:
+        out = out * ev.const
+    return out
+
+
+__all__ = ["edge_values", "EdgeVal"]

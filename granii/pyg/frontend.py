@@ -1,0 +1,498 @@
+"""Frontend for PyG layers: the installed source of a ``MessagePassing`` layer -> the matrix IR.
+
+The interpreter is DGL's frontend (``granii.frontend.interp.Interpreter``) with PyG's calls added
+as rules, not a table of layer classes:
+
+    forward(x, edge_index, edge_weight=None, ...)   ``x`` is the features ``H`` (N x k_in),
+                                                    ``edge_index`` the graph, a 1-D tensor of one
+                                                    value per edge an edge-value argument
+    add_self_loops / add_remaining_self_loops       the graph with a self loop on every node
+                                                    (``graph.derived``), edge values carried
+    degree(index) / scatter(w, index, reduce='sum') per-node (weighted) edge counts
+    deg.pow(p), deg[deg == inf] = 0, deg[row]       powers, masks and gathers per edge
+    torch.ones((edge_index.size(1),))               ones per edge
+    Linear (PyG's, as torch's nn.Linear)            ``x W^T + b``
+    a torch_geometric function (``gcn_norm``)       its source, read like forward
+    self.propagate(edge_index, **kwargs)            ``message`` read with ``x_j`` the rows of
+                                                    ``x`` at the sources, then the aggregation
+                                                    of ``self.aggr_module`` ('sum'/'add', 'mean',
+                                                    'max'), then ``update`` if overridden
+
+The messages ``c * w_e * prod_i d_i[side_i(e)] * x_j`` aggregate to a product of the IR:
+
+    sum:  diag(d_dst) A_w diag(d_src) X      degree vectors as the IR's degree leaves when they
+                                             are counts (unweighted) that are >= 1 wherever they
+                                             are read; otherwise the per-edge values are
+                                             computed at the call (``bind.edge_values``) and the
+                                             product is ``A_v X`` with those values
+    mean: D_in^-1 (the sum)                  (PyG divides by the number of messages, at least 1)
+    max:  max(A, X)                          (plain ``x_j`` messages only)
+
+Every propagate of a layer must run on one graph (the same self loops). Anything else raises
+``FrontendError`` naming the construct (LSTM or multi aggregations, messages of ``x_i``, an MLP
+over message features, edge dropout in training, ...): the layer's own forward then runs.
+"""
+import ast
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .. import ir
+from ..frontend import LayerIR, _check_complete
+from ..frontend import rules, udf
+from ..frontend.interp import Interpreter, forward_ast
+from ..frontend.ops import linear
+from ..frontend.values import FrontendError, GraphCondition, Method, RaisesForConfig, Tensor
+from ..frontend.values import Degrees
+from .values import (PYG_VALUES, DegVec, EdgeCount, EdgeVal, EdgeW, Gathered, Message,
+                     NodeIndex, PygGraph)
+
+__all__ = ["PygIR", "lower_pyg", "is_pyg_layer", "FrontendError"]
+
+_UNSET = object()
+
+
+def is_pyg_layer(module):
+    """``module`` is a ``torch_geometric.nn.MessagePassing`` (without importing PyG)."""
+    return any(c.__name__ == "MessagePassing" and c.__module__.startswith("torch_geometric")
+               for c in type(module).__mro__)
+
+
+@dataclass
+class PygIR:
+    """A PyG layer lowered for one call signature: the frontend's ``LayerIR`` and what binding
+    a call needs beyond it."""
+    layer_ir: LayerIR
+    feat: str                      # forward's feature parameter
+    graph: str                     # forward's graph parameter
+    kind: str                      # the graph input: edge_index, EdgeIndex, adj_t
+    how: str                       # self loops the propagates' graph has (None, add, remaining)
+    edge_values: dict = field(default_factory=dict)   # leaf argument name -> EdgeVal
+
+
+def lower_pyg(module, values, kind):
+    """The ``PygIR`` of ``module``'s forward called with ``values`` (parameter -> value, defaults
+    filled); ``kind`` is the graph input's kind (``graph.input_kind``)."""
+    func_def, globals_, src = forward_ast(type(module))
+    params = [a.arg for a in func_def.args.args][1:]
+    if len(params) < 2:
+        raise FrontendError("forward signature", "expected forward(self, x, edge_index, ...)")
+    if func_def.args.vararg or func_def.args.kwarg:
+        raise FrontendError("forward(*args, **kwargs)", "variable arguments are not lowered")
+    feat, gname = params[0], params[1]
+    graph = PygGraph(kind)
+    num_edges = values[gname].shape[1] if kind != "adj_t" else values[gname]._nnz()
+    bound = {func_def.args.args[0].arg: module, gname: graph,
+             feat: Tensor(ir.Leaf("H", "N", "k_in", ir.DENSE, ir.DATA, ("arg", feat)))}
+    present = set()
+    for name in params[2:]:
+        v = values.get(name)
+        if isinstance(v, torch.Tensor):
+            if v.dim() in (1, 2) and v.shape[0] == num_edges and v.numel() == num_edges \
+                    and kind != "adj_t":
+                bound[name] = EdgeVal(graph, EdgeW(name))
+                present.add(name)
+            else:
+                raise FrontendError(f"tensor argument '{name}' of shape {tuple(v.shape)}",
+                                    "only one value per edge (edge_weight) is lowered")
+        else:
+            bound[name] = v
+    interp = PygInterpreter(module, func_def, globals_, src, values, kind)
+    try:
+        out = interp.run(bound)
+        if not isinstance(out, Tensor):
+            raise FrontendError("return value", f"forward returns {type(out).__name__}, "
+                                "not a tensor")
+        if out.ndim != 2:
+            raise FrontendError("output", "of more than 2 dimensions")
+        _check_complete(out.node)
+    except (FrontendError, RaisesForConfig) as e:
+        e.spec, e.config = interp.spec, interp.config
+        raise
+    if interp.how is _UNSET:
+        raise FrontendError("forward", "without self.propagate: nothing of the graph is lowered")
+    lir = LayerIR(type(module).__name__, ir.rewrite_row_broadcasts(out.node), out.node,
+                  interp.guards, tuple(params), frozenset(present), src, interp.spec,
+                  interp.config, None, ())
+    return PygIR(lir, feat, gname, kind, interp.how, interp.edge_values)
+
+
+class PygInterpreter(Interpreter):
+    """``Interpreter`` with PyG's calls (see the module docstring)."""
+
+    def __init__(self, module, func_def, globals_, src, real, kind):
+        super().__init__(module, func_def, globals_, src, False, real)
+        self.kind = kind
+        self.how = _UNSET                 # self loops of the graph the propagates run on
+        self.edge_values = {}
+
+    # -- expressions ---------------------------------------------------------------------------
+    def expr_Call(self, e):
+        func = self.eval(e.func)
+        args = []
+        for a in e.args:
+            if isinstance(a, ast.Starred):
+                args.extend(self.eval(a.value))
+            else:
+                args.append(self.eval(a))
+        kwargs = {k.arg: self.eval(k.value) for k in e.keywords if k.arg is not None}
+        rule = _pyg_rule(self, func, args, kwargs)
+        if rule is not None:
+            return _call_rule(self, rule, func, args, kwargs, e)
+        try:
+            if isinstance(func, Method):
+                return rules.call_method(self, func, args, kwargs, e)
+            return rules.call_function(self, func, args, kwargs, e)
+        except (TypeError, AttributeError, ValueError, RuntimeError, IndexError) as err:
+            if not _holds_pyg(list(args) + list(kwargs.values())):
+                raise
+            self.fail(e, f"'{ast.unparse(e)}'", f"a call on PyG's per-edge or per-node values "
+                      f"that is not lowered ({type(err).__name__})")
+
+    def binop(self, op, a, b, node):
+        if isinstance(a, PYG_VALUES) or isinstance(b, PYG_VALUES):
+            try:
+                return super().binop(op, a, b, node)
+            except (TypeError, AttributeError) as err:
+                self.fail(node, f"operator {type(op).__name__} on {type(a).__name__} and "
+                          f"{type(b).__name__}", f"not lowered ({err})")
+        return super().binop(op, a, b, node)
+
+    def assign(self, target, value):
+        if isinstance(target, ast.Subscript):
+            obj = self.eval(target.value)
+            if isinstance(obj, DegVec):
+                obj[self.eval(target.slice)] = value
+                return
+        super().assign(target, value)
+
+    def expr_Attribute(self, e):
+        obj = self.eval(e.value)
+        if isinstance(obj, Tensor) and e.attr in ("dtype", "device"):
+            return torch.float32 if e.attr == "dtype" else torch.device("cpu")
+        if isinstance(obj, PYG_VALUES):
+            try:
+                return getattr(obj, e.attr)
+            except AttributeError:
+                self.fail(e, f"'{ast.unparse(e)}'", f"attribute of {type(obj).__name__} not "
+                          "lowered")
+        return super().expr_Attribute(e)
+
+
+def _holds_pyg(values):
+    for v in values:
+        if isinstance(v, PYG_VALUES):
+            return True
+        if isinstance(v, (list, tuple)) and _holds_pyg(v):
+            return True
+    return False
+
+
+# -- rules ------------------------------------------------------------------------------------------
+def _pyg_rule(it, func, args, kwargs):
+    """The rule for a call, or ``None`` for the frontend's own rules."""
+    if func is isinstance and args and isinstance(args[0], PygGraph):
+        return "isinstance"
+    if getattr(func, "__self__", None) is it.module and \
+            getattr(func, "__name__", None) == "propagate":
+        return "propagate"
+    if func is torch.ones and args and (isinstance(args[0], EdgeCount) or (
+            isinstance(args[0], (tuple, list)) and args[0] and isinstance(args[0][0], EdgeCount))):
+        return "ones"
+    if isinstance(func, nn.Module) and type(func).__name__ == "Linear" and \
+            type(func).__module__.startswith("torch_geometric") and args and \
+            isinstance(args[0], Tensor):
+        return "linear"
+    mod = getattr(func, "__module__", "") or ""
+    if mod.startswith("torch_geometric") and getattr(func, "__name__", None) in _UTILS:
+        return func.__name__
+    return None
+
+
+def _call_rule(it, rule, func, args, kwargs, node):
+    if rule == "isinstance":
+        return _graph_isinstance(args[0], args[1])
+    if rule == "propagate":
+        return propagate(it, args, kwargs, node)
+    if rule == "ones":
+        shape = args[0] if isinstance(args[0], EdgeCount) else args[0]
+        if not isinstance(shape, EdgeCount) and tuple(shape[1:]) not in ((), (1,)):
+            it.fail(node, "torch.ones of more than one value per edge", "not lowered")
+        count = shape if isinstance(shape, EdgeCount) else shape[0]
+        return EdgeVal(count.graph)
+    if rule == "linear":
+        w = getattr(func, "weight", None)
+        if isinstance(w, nn.parameter.UninitializedParameter):
+            it.fail(node, "a lazy Linear (in_channels=-1) not yet initialised", "run the model "
+                    "once before granii")
+        return linear(it, func, args[0], node)
+    return _UTILS[rule](it, args, kwargs, node)
+
+
+def _graph_isinstance(g, cls):
+    """``isinstance(edge_index, cls)`` for the kind of graph input this call has."""
+    if g.kind == "adj_t":
+        rep = torch.sparse_csr_tensor(torch.zeros(1, dtype=torch.long),
+                                      torch.zeros(0, dtype=torch.long), torch.zeros(0))
+    else:
+        rep = torch.zeros(2, 0, dtype=torch.long)
+        if g.kind == "EdgeIndex":
+            from torch_geometric import EdgeIndex
+            rep = EdgeIndex(rep)
+    return isinstance(rep, cls)
+
+
+def _args(names, args, kwargs, defaults):
+    given = dict(zip(names, args))
+    given.update(kwargs)
+    for n, d in defaults.items():
+        given.setdefault(n, d)
+    return given
+
+
+def _loops(how):
+    def rule(it, args, kwargs, node):
+        a = _args(("edge_index", "edge_attr", "fill_value", "num_nodes"), args, kwargs,
+                  {"edge_attr": None, "fill_value": None, "num_nodes": None})
+        g, attr, fill = a["edge_index"], a["edge_attr"], a["fill_value"]
+        name = "add_self_loops" if how == "add" else "add_remaining_self_loops"
+        if not isinstance(g, PygGraph) or g.kind == "adj_t":
+            it.fail(node, f"{name} of a sparse adjacency", "not lowered")
+        if g.how is not None:
+            it.fail(node, f"{name} on a graph that has self loops added", "not lowered")
+        if fill is None:
+            fill = 1.0
+        if not isinstance(fill, (int, float)) or isinstance(fill, bool):
+            it.fail(node, f"{name} with fill_value={fill!r}", "only a number is lowered")
+        new = PygGraph(g.kind, how)
+        if attr is None:
+            return new, None
+        if not isinstance(attr, EdgeVal) or attr.gathers or attr.const != 1 or \
+                attr.weight is None:
+            it.fail(node, f"{name} of computed edge values", "only of an edge-weight argument")
+        return new, EdgeVal(new, EdgeW(attr.weight.arg, how, float(fill)))
+    return rule
+
+
+def _scatter(it, args, kwargs, node):
+    a = _args(("src", "index", "dim", "dim_size", "reduce"), args, kwargs,
+              {"dim": 0, "dim_size": None, "reduce": "sum"})
+    src, index = a["src"], a["index"]
+    if a["reduce"] not in ("sum", "add") or a["dim"] not in (0, -1) or \
+            not isinstance(src, EdgeVal) or not isinstance(index, NodeIndex):
+        it.fail(node, f"scatter(..., reduce={a['reduce']!r})", "only the sum of per-edge values "
+                "at edge_index[0] or edge_index[1] is lowered (a degree)")
+    if src.graph.how != index.graph.how:
+        it.fail(node, "scatter of the values of one graph at the nodes of another", "not lowered")
+    return DegVec(index.graph, index.side, None if src.ones else src)
+
+
+def _degree(it, args, kwargs, node):
+    index = args[0] if args else kwargs.get("index")
+    if not isinstance(index, NodeIndex):
+        it.fail(node, "degree of a tensor", "only of edge_index[0] or edge_index[1]")
+    return DegVec(index.graph, index.side)
+
+
+def _maybe_num_nodes(it, args, kwargs, node):
+    n = args[1] if len(args) > 1 else kwargs.get("num_nodes")
+    return n if n is not None else GraphCondition("num_nodes")
+
+
+def _is_sparse(it, args, kwargs, node):
+    x = args[0]
+    return isinstance(x, PygGraph) and x.kind == "adj_t"
+
+
+def _unsupported(what):
+    def rule(it, args, kwargs, node):
+        it.fail(node, what, "not lowered")
+    return rule
+
+
+_UTILS = {
+    "add_self_loops": _loops("add"),
+    "add_remaining_self_loops": _loops("remaining"),
+    "scatter": _scatter,
+    "degree": _degree,
+    "maybe_num_nodes": _maybe_num_nodes,
+    "is_torch_sparse_tensor": _is_sparse,
+    "is_sparse": _is_sparse,
+    "to_edge_index": _unsupported("to_edge_index of a sparse adjacency"),
+    "set_sparse_value": _unsupported("set_sparse_value of a sparse adjacency"),
+    "softmax": _unsupported("PyG's softmax over edges (attention)"),
+    "dropout_edge": _unsupported("dropout_edge"),
+}
+
+
+# -- propagate ----------------------------------------------------------------------------------------
+_INDEX_ARGS = ("index", "ptr", "size", "size_i", "size_j", "dim_size", "edge_index_i",
+               "edge_index_j")
+
+
+def _base_class(module):
+    return next(c for c in type(module).__mro__ if c.__name__ == "MessagePassing"
+                and c.__module__.startswith("torch_geometric"))
+
+
+def propagate(it, args, kwargs, node):
+    """``self.propagate(edge_index, size=None, **kwargs)``: messages, aggregation, update."""
+    mod, kwargs = it.module, dict(kwargs)
+    if len(args) > 2:
+        it.fail(node, "propagate with more than two positional arguments", "not lowered")
+    g = args[0] if args else kwargs.pop("edge_index", None)
+    size = args[1] if len(args) > 1 else kwargs.pop("size", None)
+    if size is not None:
+        it.fail(node, "propagate with a size", "only square graphs (size=None) are lowered")
+    if not isinstance(g, PygGraph):
+        it.fail(node, "propagate over a value that is not the graph argument", "not lowered")
+    for hooks in ("_propagate_forward_pre_hooks", "_propagate_forward_hooks",
+                  "_message_forward_pre_hooks", "_message_forward_hooks",
+                  "_aggregate_forward_pre_hooks", "_aggregate_forward_hooks",
+                  "_message_and_aggregate_forward_pre_hooks",
+                  "_message_and_aggregate_forward_hooks"):
+        if getattr(mod, hooks, None):
+            it.fail(node, f"propagate with {hooks.strip('_').replace('_', ' ')}", "not lowered")
+    if getattr(mod, "explain", None):
+        it.fail(node, "propagate in explain mode", "not lowered")
+    if getattr(mod, "decomposed_layers", 1) != 1:
+        it.fail(node, "propagate with decomposed_layers > 1", "not lowered")
+    if getattr(mod, "flow", "source_to_target") != "source_to_target":
+        it.fail(node, f"flow='{mod.flow}'", "only source_to_target is lowered")
+    if g.kind == "adj_t":
+        it.fail(node, "propagate over a torch.sparse adjacency", "only edge_index (and "
+                "EdgeIndex) graphs are lowered yet")
+    if it.how is _UNSET:
+        it.how = g.how
+    elif it.how != g.how:
+        it.fail(node, "propagates over two graphs (with and without self loops)", "not lowered")
+    base = _base_class(mod)
+    cls = type(mod)
+    if cls.aggregate is not base.aggregate:
+        it.fail(node, f"{cls.__name__}.aggregate", "a user-defined aggregate is not lowered")
+    msg = _message(it, g, kwargs, node)
+    out = aggregate(it, msg, node)
+    if cls.update is not base.update:
+        fn = udf.user_function(mod.update, node, "update function")
+        out = it.call_user(fn, [out], _collect(it, fn, g, kwargs, node, skip=1), "update", node)
+        if not isinstance(out, Tensor):
+            it.fail(node, "update", f"returns {type(out).__name__}, not a tensor")
+    return out
+
+
+def _collect(it, fn, g, kwargs, node, skip=0):
+    """The arguments of ``message`` (or ``update``) as PyG collects them from ``propagate``'s
+    keyword arguments: ``x_j`` / ``x_i`` the rows of ``x`` (or of ``x[0]`` / ``x[1]``) at the
+    sources / targets, other names as given."""
+    a = fn.node.args
+    names = [p.arg for p in a.args][1 + skip:]      # after self (and update's inputs)
+    out = {}
+    for n in names:
+        if n in kwargs:
+            out[n] = kwargs[n]
+        elif n[-2:] in ("_i", "_j") and n[:-2] in kwargs:
+            v = kwargs[n[:-2]]
+            side = "src" if n[-2:] == "_j" else "dst"
+            if isinstance(v, (tuple, list)):
+                v = v[0] if side == "src" else v[1]
+            if v is None:
+                out[n] = None
+            elif isinstance(v, Tensor):
+                if v.ndim != 2 or v.node.rows != "N":
+                    it.fail(node, f"argument '{n}'", "rows of a tensor that is not N x k")
+                out[n] = Gathered(v, side)
+            else:
+                it.fail(node, f"argument '{n}' of {type(v).__name__}", "not lowered")
+        elif n in ("edge_index", "adj_t"):
+            out[n] = g
+        elif n in _INDEX_ARGS:
+            it.fail(node, f"message argument '{n}'", "graph indices inside message are not "
+                    "lowered")
+    return out
+
+
+def _message(it, g, kwargs, node):
+    mod = it.module
+    fn = udf.user_function(mod.message, node, "message function")
+    args = _collect(it, fn, g, kwargs, node)
+    it.udfs.append(f"message function '{type(mod).__name__}.message'")
+    msg = it.call_user(fn, [], args, "message", node)
+    if isinstance(msg, Gathered):
+        msg = Message(None, msg)
+    if not isinstance(msg, Message):
+        it.fail(node, "message", f"returns {type(msg).__name__}: only x_j times per-edge "
+                "values is lowered")
+    if msg.x.side != "src":
+        it.fail(node, "message of x_i", "only messages of the sources' rows (x_j) are lowered")
+    if msg.coef is not None and msg.coef.graph.how != g.how:
+        it.fail(node, "messages scaled by the values of another graph", "not lowered")
+    return msg
+
+
+def aggregate(it, msg, node):
+    """The aggregation of ``self.aggr_module`` of the messages ``msg``, as an IR product."""
+    mod = it.module
+    aggr = type(getattr(mod, "aggr_module", None)).__name__
+    it.config["aggr_module"] = rules.config_summary(getattr(mod, "aggr_module", None))
+    kind = {"SumAggregation": "sum", "MeanAggregation": "mean",
+            "MaxAggregation": "max"}.get(aggr)
+    if kind is None:
+        it.fail(node, f"aggregation {aggr} (aggr={getattr(mod, 'aggr', None)!r})",
+                "only sum, mean and max aggregations are lowered")
+    x = msg.x.x.node
+    coef = msg.coef
+    c = msg.c * (coef.const if coef is not None else 1.0)
+    if kind == "max":
+        if (coef is not None and not coef.ones) or c != 1:
+            it.fail(node, "max of scaled messages", "only max of x_j is lowered")
+        return Tensor(ir.Aggregate("spmm_max", x), 2)
+    factors = _adjacency(it, coef)
+    if kind == "mean":
+        factors = [Degrees("in", -1.0, 1.0).leaf("N")] + factors
+    out = ir.matmul(*factors, x)
+    if c != 1:
+        out = ir.Apply(f"mul({c:g})", out, ("scale", c), True, 0)
+    return Tensor(out, 2)
+
+
+def _adjacency(it, coef):
+    """The factors of the sparse matrix with the values ``coef`` per edge (``None``: ones)."""
+    a = it.leaf("A", "N", "N", ir.SPARSE, ir.UNWEIGHTED, ("graph",))
+    if coef is None or (coef.weight is None and not coef.gathers):
+        return [a]
+    left, right = [], []
+    for vec, side in coef.gathers:
+        leaf = _degree_leaf(vec, side)
+        if leaf is None:          # weighted or possibly 0: the values are computed per call
+            whole = EdgeVal(coef.graph, coef.weight, coef.gathers)
+            return [_edge_leaf(it, whole)]
+        (left if side == "dst" else right).append(leaf)
+    mid = a if coef.weight is None else _edge_leaf(it, EdgeVal(coef.graph, coef.weight))
+    return left + [mid] + right
+
+
+def _degree_leaf(vec, side):
+    """The IR's degree leaf equal to ``vec`` read at the ``side`` of every edge, or ``None``.
+
+    The IR's leaf is ``max(deg, 1)^p`` of counts: equal to PyG's values where the count read is
+    at least 1, which holds where it is read at the side it counts (an edge into ``v`` makes
+    ``v``'s in-count >= 1) or on a graph with a self loop on every node."""
+    if vec.weight is not None:
+        return None
+    if vec.side != side and vec.graph.how is None:
+        return None
+    return Degrees("in" if vec.side == "dst" else "out", vec.power, 1.0).leaf("N")
+
+
+def _edge_leaf(it, ev):
+    key = next((k for k, v in it.edge_values.items() if v.key() == ev.key()), None)
+    if key is None:
+        key = f"pyg_values{len(it.edge_values)}"
+        it.edge_values[key] = ev
+    name = "A_w" if ev.weight is not None and not ev.gathers else f"A[{key}]"
+    return it.leaf(name, "N", "N", ir.SPARSE, ir.WEIGHTED, ("edge", key))
+
+
+__all__ += ["PygInterpreter", "inspect"]

@@ -1,0 +1,178 @@
+"""PyTorch Geometric's graph inputs as granii graphs.
+
+PyG passes the graph to a layer in one of three forms:
+
+    edge_index   LongTensor [2, E]: messages flow ``edge_index[0] -> edge_index[1]`` (source ->
+                 target, PyG's default ``flow="source_to_target"``); edge ``e`` is column ``e``
+    EdgeIndex    PyG's ``torch_geometric.EdgeIndex``, the same [2, E] tensor with metadata
+    adj_t        a ``torch.sparse`` matrix (CSR or COO) of shape (N, N), rows = targets, columns =
+                 sources: ``adj_t[v, u] = w`` for an edge ``u -> v``; edge ``e`` is its ``e``-th
+                 stored entry (the row-major order of CSR), its value ``adj_t.values()[e]``
+
+Each is the matrix ``A`` (N x N, ``A[v, u]`` for ``u -> v``) of granii's core. ``IndexGraph`` holds
+the source and target of every edge in PyG's edge order and answers the few questions
+``granii.graph.GraphInfo`` and the kernels ask a graph (sizes, ``adj_tensors``, degrees,
+``edges``), so the per-graph structures (CSR of ``A`` and ``A^T`` with the edge permutation,
+degrees, the once-per-graph cache) are the ones DGL graphs get, built from index tensors; no DGL
+object is involved. Edge-value tensors at the kernel interface are in PyG's edge order.
+
+``index_graph(graph_input, num_nodes)`` returns one ``IndexGraph`` per input tensor, reused while
+the tensor is the same object with the same storage and version counter (an in-place edit bumps
+it: the edited graph is a new graph, with new caches). ``derived(g, "remaining" | "add")`` is the
+graph PyG's ``add_remaining_self_loops`` / ``add_self_loops`` make of it, once per graph.
+"""
+import weakref
+
+import torch
+
+from ..graph import graph_info
+
+__all__ = ["IndexGraph", "index_graph", "derived", "graph_info", "input_kind"]
+
+
+class IndexGraph:
+    """The directed graph ``src[e] -> dst[e]`` on ``num_nodes`` nodes, edges in the given order.
+
+    ``_graph`` is the change token ``GraphInfo`` compares (DGL replaces it on a structural edit):
+    an ``IndexGraph`` never changes, so it is itself."""
+    is_block = False
+    srctypes = dsttypes = ("_N",)
+    canonical_etypes = (("_N", "_E", "_N"),)
+
+    def __init__(self, src, dst, num_nodes, kind="edge_index", values=None):
+        self.src = src.long().contiguous()
+        self.dst = dst.long().contiguous()
+        self.n = int(num_nodes)
+        self.kind = kind                  # which PyG input it was made from
+        self.values = values              # adj_t's stored values (edge order), else None
+        self.derived = {}                 # transform -> IndexGraph (self loops added)
+        self._graph = self
+
+    def num_src_nodes(self):
+        return self.n
+
+    num_dst_nodes = num_nodes = number_of_nodes = num_src_nodes
+
+    def num_edges(self):
+        return self.src.numel()
+
+    number_of_edges = num_edges
+
+    @property
+    def edge_index(self):
+        """``[src; dst]`` as PyG writes it (a new [2, E] tensor)."""
+        return torch.stack([self.src, self.dst])
+
+    def adj_tensors(self, fmt):
+        """``(indptr, indices, eids)`` as DGL's ``adj_tensors``: ``"csc"`` has one row per
+        target (``A``), ``"csr"`` one per source (``A^T``); entries of a row in edge order."""
+        if fmt not in ("csc", "csr"):
+            raise ValueError(f"granii: adj_tensors('{fmt}') of an index graph")
+        rows, cols = (self.dst, self.src) if fmt == "csc" else (self.src, self.dst)
+        eids = torch.sort(rows, stable=True).indices
+        counts = torch.bincount(rows, minlength=self.n)
+        indptr = torch.zeros(self.n + 1, dtype=torch.long)
+        torch.cumsum(counts, 0, out=indptr[1:])
+        return indptr, cols[eids], eids
+
+    def in_degrees(self):
+        """Edges into each node (``A 1``), parallel edges counted."""
+        return torch.bincount(self.dst, minlength=self.n)
+
+    def out_degrees(self):
+        return torch.bincount(self.src, minlength=self.n)
+
+    def edges(self, order="eid"):
+        return self.src, self.dst
+
+    def __repr__(self):
+        return f"IndexGraph(num_nodes={self.n}, num_edges={self.num_edges()}, from={self.kind})"
+
+
+def input_kind(graph_input):
+    """``"edge_index"``, ``"EdgeIndex"`` or ``"adj_t"`` (a ``torch.sparse`` adjacency), or
+    ``None`` for anything else."""
+    if not isinstance(graph_input, torch.Tensor):
+        return None
+    if graph_input.layout in (torch.sparse_csr, torch.sparse_coo):
+        return "adj_t"
+    if graph_input.layout != torch.strided or graph_input.dim() != 2 or \
+            graph_input.shape[0] != 2 or graph_input.dtype not in (torch.long, torch.int):
+        return None
+    return "EdgeIndex" if type(graph_input).__name__ == "EdgeIndex" else "edge_index"
+
+
+def _make(graph_input, num_nodes, kind):
+    if kind == "adj_t":
+        if graph_input.shape[0] != graph_input.shape[1]:
+            raise ValueError("granii: a sparse adjacency of shape "
+                             f"{tuple(graph_input.shape)}; only square (N, N) ones are read")
+        if graph_input.layout == torch.sparse_csr:
+            indptr = graph_input.crow_indices()
+            dst = torch.repeat_interleave(torch.arange(graph_input.shape[0]),
+                                          indptr[1:] - indptr[:-1])
+            src = graph_input.col_indices()
+        else:
+            a = graph_input.coalesce() if not graph_input.is_coalesced() else graph_input
+            dst, src = a.indices()
+            graph_input = a
+        return IndexGraph(src, dst, graph_input.shape[0], kind,
+                          graph_input.values().detach())
+    plain = graph_input.as_subclass(torch.Tensor) if kind == "EdgeIndex" else graph_input
+    return IndexGraph(plain[0], plain[1], num_nodes, kind)
+
+
+# id(input tensor) -> (weak reference, identity, IndexGraph)
+_GRAPHS = {}
+
+
+def _identity(t, num_nodes):
+    base = t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor and \
+        t.layout == torch.strided else t
+    if t.layout == torch.strided:
+        return (base.data_ptr(), base._version, tuple(base.shape), base.stride(), num_nodes)
+    return (id(t), t._version if not t.is_inference() else None, tuple(t.shape))
+
+
+def index_graph(graph_input, num_nodes):
+    """The ``IndexGraph`` of a PyG graph input (see the module docstring) whose features have
+    ``num_nodes`` rows; the same object while the input is the same unchanged tensor."""
+    kind = input_kind(graph_input)
+    if kind is None:
+        raise ValueError(f"granii: a graph given as {type(graph_input).__name__} "
+                         f"{tuple(getattr(graph_input, 'shape', ()))}; PyG's edge_index [2, E], "
+                         "EdgeIndex or a torch.sparse adjacency are read")
+    if graph_input.is_inference():
+        return _make(graph_input, num_nodes, kind)
+    key = id(graph_input)
+    ident = _identity(graph_input, num_nodes)
+    hit = _GRAPHS.get(key)
+    if hit is not None and hit[0]() is graph_input and hit[1] == ident:
+        return hit[2]
+    g = _make(graph_input, num_nodes, kind)
+    if hit is None:
+        weakref.finalize(graph_input, _GRAPHS.pop, key, None)
+    _GRAPHS[key] = (weakref.ref(graph_input), ident, g)
+    return g
+
+
+def loops_added(g, how):
+    """``(edge index [2, E'], kept)``: ``g`` with a self loop on every node appended after its
+    edges, as PyG's ``add_self_loops`` (``how="add"``: every edge kept) or
+    ``add_remaining_self_loops`` (``"remaining"``: existing loops dropped, the others kept in
+    order); ``kept`` is the mask of ``g``'s edges kept."""
+    kept = torch.ones_like(g.src, dtype=torch.bool) if how == "add" else g.src != g.dst
+    loop = torch.arange(g.n)
+    return torch.stack([torch.cat([g.src[kept], loop]), torch.cat([g.dst[kept], loop])]), kept
+
+
+def derived(g, how):
+    """The ``IndexGraph`` of ``g`` with self loops added (``how`` as in ``loops_added``), made
+    once per graph and kept with it."""
+    if how is None:
+        return g
+    d = g.derived.get(how)
+    if d is None:
+        ei, _ = loops_added(g, how)
+        d = g.derived[how] = IndexGraph(ei[0], ei[1], g.n, g.kind)
+    return d

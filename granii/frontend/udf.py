@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .. import ir
-from . import rules
+from . import ops
 from .values import (BatchFrame, Degrees, DstValue, EdgeBatch, Edges, Frame, FrontendError,
                      Graph, Mailbox, Message, Method, NodeBatch, Opaque, Shape, Tensor)
 
@@ -244,14 +244,14 @@ def apply_edges(it, graph, func, node):
 def builtin_messages(it, graph, msg, node):
     """The ``Message`` a built-in message function writes (copy_u, u_mul_e)."""
     if msg.name == "copy_u":
-        return {msg.out_field: Message(rules._frame_tensor(it, graph, msg.in_field, node))}
+        return {msg.out_field: Message(ops._frame_tensor(it, graph, msg.in_field, node))}
     if msg.name in ("u_mul_e", "e_mul_u"):
-        ufield, efield = ((msg.lhs_field, msg.rhs_field) if msg.lhs == rules._U
+        ufield, efield = ((msg.lhs_field, msg.rhs_field) if msg.lhs == ops._U
                           else (msg.rhs_field, msg.lhs_field))
-        w = rules.frame_get(Frame(graph, "edge"), efield, it, node)
+        w = ops.frame_get(Frame(graph, "edge"), efield, it, node)
         if not isinstance(w, Edges):
             fail(node, f"u_mul_e with edge field '{efield}'", "the field holds no edge values")
-        return {msg.out_field: Message(rules._frame_tensor(it, graph, ufield, node), w)}
+        return {msg.out_field: Message(ops._frame_tensor(it, graph, ufield, node), w)}
     fail(node, f"message function fn.{msg.name}", "not lowered yet")
 
 
@@ -343,7 +343,7 @@ def aggregate(it, msg, how, node):
         fail(node, f"reduction '{how}'{weighted}", "not in the IR (sum, mean; max of unweighted "
              "messages)")
     out = Tensor(out, x.ndim)
-    return out if msg.c == 1 else rules.scale(it, out, msg.c, node)
+    return out if msg.c == 1 else ops.scale(it, out, msg.c, node)
 
 
 _ZERO_AT_ZERO = frozenset(f for f in (
@@ -434,7 +434,7 @@ def frame_item(it, frame, key, node):
         return Mailbox(frame.batch.mailbox[key])
     which = {"src": "src", "dst": "dst", "data": "edge" if isinstance(frame.batch, EdgeBatch)
              else "dst"}[frame.which]
-    value = rules.frame_get(Frame(graph, which), key, it, node)
+    value = ops.frame_get(Frame(graph, which), key, it, node)
     if frame.which == "src":
         return Message(value) if isinstance(value, (Tensor, Degrees)) else value
     if frame.which == "dst" and isinstance(frame.batch, EdgeBatch):
@@ -486,7 +486,7 @@ def message_times(it, m, b, node):
             fail(node, "element-wise product of two source features", "not in the IR")
         if isinstance(x, Degrees):
             fail(node, "product of two degree vectors in a message", "not lowered")
-        return Message(rules.row_broadcast(it, x, d, node), m.w or b.w, m.c * b.c)
+        return Message(ops.row_broadcast(it, x, d, node), m.w or b.w, m.c * b.c)
     fail(node, f"message times {kind_of(b)}", "not lowered")
 
 
@@ -494,7 +494,7 @@ def message_matmul(it, m, w, node):
     """``(c w_e x_u) W = c w_e (x W)_u``: the product moves before the gather."""
     if not isinstance(m.x, Tensor):
         fail(node, "product of a degree message", "not lowered")
-    return Message(rules.matmul(it, m.x, w, node), m.w, m.c)
+    return Message(ops.matmul(it, m.x, w, node), m.w, m.c)
 
 
 def edge_score(it, m, d, node):
@@ -511,7 +511,7 @@ def call_method(it, obj, name, args, kwargs, node):
         return shape[args[0]] if len(args) == 1 and isinstance(args[0], int) else shape
     if isinstance(obj, Mailbox):
         return reduce_call(it, name, obj, args, kwargs, node)
-    if isinstance(obj, Message) and name in rules._SAME_VALUE_METHODS - {"detach"}:
+    if isinstance(obj, Message) and name in ops._SAME_VALUE_METHODS - {"detach"}:
         return obj
     fail(node, f".{name}() of a {kind_of(obj)}", "not lowered")
 
@@ -556,15 +556,15 @@ def call_function(it, func, args, kwargs, node):
     if ref is not None and isinstance(first, Message):
         if first.w is not None or first.c != 1 or not isinstance(first.x, Tensor):
             fail(node, f"{ref[0]}() of a weighted or scaled message", "not lowered")
-        return Message(Tensor(rules.apply(it, ref[0], first.x.node, ref[1], pure=True),
+        return Message(Tensor(ops.apply(it, ref[0], first.x.node, ref[1], pure=True),
                               first.x.ndim))
     if ref is not None and isinstance(first, Edges):
-        e = rules.edge_node(it, first, node)
-        return Edges(node=rules.apply(it, ref[0], e, ref[1], pure=True))
+        e = ops.edge_node(it, first, node)
+        return Edges(node=ops.apply(it, ref[0], e, ref[1], pure=True))
     if isinstance(func, nn.Linear) and isinstance(first, Message):
         if first.w is not None or first.c != 1:
             fail(node, "nn.Linear of a weighted or scaled message", "not lowered")
-        return Message(rules.linear(it, func, first.x, node))
+        return Message(ops.linear(it, func, first.x, node))
     name = getattr(func, "__name__", type(func).__name__)
     held = next(kind_of(a) for a in list(args) + list(kwargs.values()) if _holds_udf(a))
     fail(node, f"{name}() of a {held}", "not lowered (only pure element-wise functions of "
@@ -581,7 +581,7 @@ def pure_ref(func, args, kwargs):
     """``(label, ref)`` of ``func`` applied to its first argument, the others constants, when
     ``func`` is a known pure function; else ``None``. Equal calls give equal refs however they
     are spelled: ``F.leaky_relu(x, 0.2)``, ``F.leaky_relu(x, negative_slope=0.2)``."""
-    if not rules._known_pure(func) or func in _ACROSS_ROWS or not args:
+    if not ops._known_pure(func) or func in _ACROSS_ROWS or not args:
         return None
     rest = list(args[1:]) + list(kwargs.values())
     if not all(isinstance(v, (int, float, bool, str, type(None))) for v in rest):

@@ -46,12 +46,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.csvfile import write_csv  # noqa: E402
-from granii import granii, hetero, hetero_graphs  # noqa: E402
+from granii import granii, hetero_conv, hetero_graphs  # noqa: E402
 from granii.dispatch import TRIAL_ROUNDS  # noqa: E402
 from granii.profiling.timing import side_by_side  # noqa: E402
 
 # calls after which every tie-break has settled: each relation's own, then the container's
-SETTLE = hetero.ROUTED_WARMUP + 2 * (TRIAL_ROUNDS + 1) + 2
+SETTLE = hetero_conv.ROUTED_WARMUP + 2 * (TRIAL_ROUNDS + 1) + 2
 
 
 def _rel_err(a, b):

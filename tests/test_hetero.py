@@ -12,7 +12,7 @@ import pytest
 import torch
 from dgl.nn.pytorch import GATConv, GraphConv, HeteroGraphConv, RelGraphConv, SAGEConv
 
-from granii import granii, hetero, hetero_graphs
+from granii import granii, hetero, hetero_conv, hetero_graphs
 from granii.kernels import typed
 
 RTOL = 1e-4
@@ -469,17 +469,17 @@ def test_container_tie_break_then_either_path_gives_dgl():
     x = h_inputs(g)
     granii(model, g, x)
     state = dispatcher_of(model.h).state
-    compare_hetero(model, ref, g, x, calls=hetero.ROUTED_WARMUP)
-    assert state.kept is None and state.routed_calls == hetero.ROUTED_WARMUP
+    compare_hetero(model, ref, g, x, calls=hetero_conv.ROUTED_WARMUP)
+    assert state.kept is None and state.routed_calls == hetero_conv.ROUTED_WARMUP
     compare_hetero(model, ref, g, x, calls=2 * (TRIAL_ROUNDS + 1) + 1)
-    assert state.kept in (hetero.ROUTED, ORIGINAL)
-    assert sorted(lb for lb, _ in state.tuned) == sorted([hetero.ROUTED, ORIGINAL])
+    assert state.kept in (hetero_conv.ROUTED, ORIGINAL)
+    assert sorted(lb for lb, _ in state.tuned) == sorted([hetero_conv.ROUTED, ORIGINAL])
     assert all(t > 0 for _, t in state.tuned)
     text = granii.explain(model, file=open("/dev/null", "w"))
     assert f"kept {state.kept}" in text
     # every decision settled: no timing hook is left on the parameters
     assert all(not p._backward_hooks for p in model.parameters())
-    for kept in (ORIGINAL, hetero.ROUTED):
+    for kept in (ORIGINAL, hetero_conv.ROUTED):
         state.kept = kept
         compare_hetero(model, ref, g, x, calls=2)
         compare_hetero(model, ref, g, x, calls=1, train=False)
@@ -492,7 +492,7 @@ def test_container_tie_break_off_when_deterministic():
     ref = copy.deepcopy(model)
     x = h_inputs(g)
     granii(model, g, x, deterministic=True)
-    compare_hetero(model, ref, g, x, calls=hetero.ROUTED_WARMUP + 10)
+    compare_hetero(model, ref, g, x, calls=hetero_conv.ROUTED_WARMUP + 10)
     state = dispatcher_of(model.h).state
     assert state.kept is None and state.tuned is None
 
@@ -603,11 +603,11 @@ def test_rgcn_hetero_example_runs_typed_products(bases, agg):
     assert set(state.flat_info) == {"a", "b", "c"}
     # the container's tie-break starts on the next call: typed products against DGL's forward
     compare_hetero(model, ref, g, x, calls=2 * (TRIAL_ROUNDS + 1) + 1)
-    assert state.kept in (hetero.FLAT, ORIGINAL)
-    assert sorted(lb for lb, _ in state.tuned) == sorted([hetero.FLAT, ORIGINAL])
+    assert state.kept in (hetero_conv.FLAT, ORIGINAL)
+    assert sorted(lb for lb, _ in state.tuned) == sorted([hetero_conv.FLAT, ORIGINAL])
     text = granii.explain(model, file=open("/dev/null", "w"))
     assert "into 'a': 6 relation(s) stacked" in text and "<- chosen" in text
-    for kept in (hetero.FLAT, ORIGINAL):
+    for kept in (hetero_conv.FLAT, ORIGINAL):
         state.kept = kept
         compare_hetero(model, ref, g, x, calls=2)
         compare_hetero(model, ref, g, x, calls=2, train=False)

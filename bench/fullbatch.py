@@ -30,6 +30,7 @@ parameter's gradient) and eval mode outputs on new features, each optimized copy
 leaves it out of every mean.
 """
 import copy
+import math
 import time
 import traceback
 
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 from granii import granii as optimize
 
-from . import check
+from . import ablation, check
 from .decisions import Settling, describe
 from .examples import build, set_graph
 from .inputs import FreshFeatures, fresh_graph
@@ -89,9 +90,12 @@ def correctness(spec, model0, inp, cost_models, training):
     return out
 
 
-def measure(spec, inp, task, cost_models, budget=3.0, max_rounds=None, warmup=0, seed=0):
+def measure(spec, inp, task, cost_models, budget=3.0, max_rounds=None, warmup=0, seed=0,
+            fresh=None, ablations=False):
     """One row of ``models.csv`` (see module doc). ``cost_models``: ``{"granii": model,
-    "restricted": model}`` (``restricted`` may be absent). Never raises for granii's failures."""
+    "restricted": model}`` (``restricted`` may be absent). ``fresh``: ``{candidate: seconds}`` of
+    first calls timed in a fresh process (``bench.fresh``), used in the totals; ``ablations``:
+    time ``bench.ablation``'s candidates too. Never raises for granii's failures."""
     training = task == "train"
     row = dict(model=spec.name, label=spec.label, graph=inp.name, nodes=inp.g.num_nodes(),
                edges=inp.g.num_edges(), features=inp.features, classes=inp.classes, task=task,
@@ -114,6 +118,8 @@ def measure(spec, inp, task, cost_models, budget=3.0, max_rounds=None, warmup=0,
         if name != "granii":
             row[f"{tag}uses_excluded"] = ",".join(used)
     names = ["dgl"] + [n for n in cost_models if n in checks]
+    if ablations and "granii" in checks:
+        names += list(ablation.CANDIDATES)
 
     fns, first, models = {}, {}, {}
     feats = FreshFeatures(inp.x.shape, seed=seed + 7)
@@ -122,32 +128,35 @@ def measure(spec, inp, task, cost_models, budget=3.0, max_rounds=None, warmup=0,
             g = fresh_graph(inp.g)
             m = set_graph(copy.deepcopy(model0), g)
             models[name] = m
-            cm = cost_models.get(name)
+            cm = cost_models.get("granii" if name == "granii_nopool" else name)
+            step = _train_step if training else _infer
+            if name in ablation.CONTEXT:
+                step = lambda *a, name=name, step=step: ablation.run_in(name, step, *a)
             if training:
                 opt = torch.optim.Adam(m.parameters(), lr=0.01, weight_decay=5e-4)
                 m.train()
                 t0 = time.perf_counter()
                 if cm is not None:
                     optimize(m, g, inp.x, cost_model=cm)
-                _train_step(spec, m, opt, g, inp.x, inp.y, inp.train)
+                step(spec, m, opt, g, inp.x, inp.y, inp.train)
                 first[name] = time.perf_counter() - t0
-                fns[name] = (lambda m=m, opt=opt, g=g:
-                             timed(_train_step, spec, m, opt, g, inp.x, inp.y, inp.train))
+                fns[name] = (lambda m=m, opt=opt, g=g, step=step:
+                             timed(step, spec, m, opt, g, inp.x, inp.y, inp.train))
             else:
                 m.eval()
                 x1 = feats.next()
                 t0 = time.perf_counter()
                 if cm is not None:
                     optimize(m, g, inp.x, cost_model=cm)
-                _infer(spec, m, g, x1)
+                step(spec, m, g, x1)
                 first[name] = time.perf_counter() - t0
 
-                def call(m=m, g=g):
+                def call(m=m, g=g, step=step):
                     x = feats.next()
-                    return timed(_infer, spec, m, g, x)
+                    return timed(step, spec, m, g, x)
                 fns[name] = call
         n = EPOCHS if training else CALLS
-        opt_models = [models[k] for k in names if k != "dgl"]
+        opt_models = [models[k] for k in names if not k.startswith("dgl")]
         with OthersMeter() as others:
             samples, steady_from = interleaved(
                 fns, warmup=warmup, max_rounds=max_rounds or n - 1, min_rounds=3, budget=budget,
@@ -156,7 +165,7 @@ def measure(spec, inp, task, cost_models, budget=3.0, max_rounds=None, warmup=0,
         ERRORS.append((dict(row), traceback.format_exc()[-3000:]))
         row.update(status=f"error: {_short(e)}")
         return row
-    record(row, names, first, samples, steady_from, n)
+    record(row, names, first, samples, steady_from, n, fresh)
     if "granii" in names:
         row["granii"] = describe(models["granii"])["plans"]
     row.update(iterations=n, others_cores=others.cores, time=time.strftime("%H:%M:%S"))
@@ -164,19 +173,37 @@ def measure(spec, inp, task, cost_models, budget=3.0, max_rounds=None, warmup=0,
     return row
 
 
-def record(row, names, first, samples, steady_from, n):
-    """Per candidate: steady median, fastest round, first call and the total of ``n`` calls."""
+def record(row, names, first, samples, steady_from, n, fresh=None):
+    """Per candidate: steady median, fastest round, first call and the total of ``n`` calls.
+
+    ``first``: first calls timed in this process (``*_first_warm_ms``, and ``*_total_warm_ms``
+    with them); ``fresh``: those timed in a fresh process (``bench.fresh``). Where DGL's and
+    granii's both are there, ``*_first_ms`` and ``*_total_ms`` (the headline's) use the fresh
+    ones (``first_call = "fresh process"``); otherwise the warm ones, and the row says so."""
+    fresh = fresh or {}
+    use_fresh = all(_finite(fresh.get(k)) for k in ("dgl", "granii") if k in names)
+    row["first_call"] = "fresh process" if use_fresh else "warm process"
     for name in names:
         med, total = summarise(first[name], samples[name], steady_from, n)
+        f = fresh.get(name) if use_fresh and _finite(fresh.get(name)) else first[name]
         row[f"{name}_ms"] = med * 1e3
         row[f"{name}_min_ms"] = min(samples[name]) * 1e3
-        row[f"{name}_first_ms"] = first[name] * 1e3
-        row[f"{name}_total_ms"] = total * 1e3
+        row[f"{name}_first_warm_ms"] = first[name] * 1e3
+        row[f"{name}_total_warm_ms"] = total * 1e3
+        row[f"{name}_first_ms"] = f * 1e3
+        row[f"{name}_total_ms"] = (total - first[name] + f) * 1e3
     row["rounds"] = len(samples["dgl"])
     # optimized copies may have gone on alone until settled (``rounds.interleaved``)
     mine = samples.get("granii", samples["dgl"])
     row["alone_rounds"] = len(mine) - len(samples["dgl"])
     row["steady_rounds"] = len(mine[steady_from:]) if steady_from is not None else 0
+
+
+def _finite(x):
+    try:
+        return math.isfinite(float(x))
+    except (TypeError, ValueError):
+        return False
 
 
 def _ratios(row):
@@ -188,10 +215,13 @@ def _ratios(row):
             return float("nan")
     row["speedup"] = ratio("dgl_total_ms", "granii_total_ms")
     row["speedup_steady"] = ratio("dgl_ms", "granii_ms")
-    row["restricted_speedup"] = ratio("dgl_total_ms", "restricted_total_ms")
-    row["joint_gain"] = ratio("restricted_total_ms", "granii_total_ms")
+    # the restricted copy's first call is a warm process's: compared with warm totals
+    row["restricted_speedup"] = ratio("dgl_total_warm_ms", "restricted_total_warm_ms")
+    row["joint_gain"] = ratio("restricted_total_warm_ms", "granii_total_warm_ms")
     row["joint_gain_steady"] = ratio("restricted_ms", "granii_ms")
     row["speedup_min"] = ratio("dgl_min_ms", "granii_min_ms")      # fastest rounds: noise check
+    row["speedup_warm"] = ratio("dgl_total_warm_ms", "granii_total_warm_ms")
+    ablation.ratios(row)
 
 
 __all__ = ["measure", "correctness", "EPOCHS", "CALLS", "ERRORS"]

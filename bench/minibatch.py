@@ -54,6 +54,7 @@ from .rounds import interleaved, median
 from .skeleton import has_gat, skeleton
 
 BATCH = 1024
+DEFAULT_COST_MODEL = "default"     # Epoch's cost_model: granii(...) with its own default, as users call it
 RUN_EPOCHS = 10    # a training run of the headline: DGL's sampling examples train 10
 ERRORS = []
 
@@ -93,7 +94,8 @@ class Epoch:
             in_loader += time.perf_counter() - t
             x = self.inp.x[inp_nodes]
             if self.cost_model is not None:        # the first epoch: granii(...) on its first batch
-                optimize(self.model, blocks, x, cost_model=self.cost_model)
+                cm = None if self.cost_model is DEFAULT_COST_MODEL else self.cost_model
+                optimize(self.model, blocks, x, cost_model=cm)
                 self.cost_model = None
             self.opt.zero_grad(set_to_none=True)
             out = self.spec.run(self.model, blocks, x)
@@ -129,8 +131,9 @@ def correctness(spec, model0, inp, fanouts, seeds, cost_models):
 
 
 def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=RUN_EPOCHS - 1,
-            max_seeds=4096, seed=0):
-    """One row of ``models.csv`` with ``task="minibatch"`` (see module doc)."""
+            max_seeds=4096, seed=0, fresh=None):
+    """One row of ``models.csv`` with ``task="minibatch"`` (see module doc). ``fresh``:
+    ``{candidate: seconds}`` of first epochs timed in a fresh process (``bench.fresh``)."""
     seeds = seeds_of(inp.g, max_seeds, seed)
     row = dict(model=spec.name, label=spec.label, graph=inp.name, nodes=inp.g.num_nodes(),
                edges=inp.g.num_edges(), features=inp.features, classes=inp.classes,
@@ -172,10 +175,11 @@ def measure(spec, fanouts, inp, cost_models, budget=20.0, max_rounds=RUN_EPOCHS 
         ERRORS.append((dict(row), traceback.format_exc()[-3000:]))
         row.update(status=f"error: {_short(e)}")
         return row
-    record(row, names, first, samples, steady_from, RUN_EPOCHS)
+    record(row, names, first, samples, steady_from, RUN_EPOCHS, fresh)
     for name in names:
         sampling = median(epochs[name].sampling[1:]) * 1e3
         row[f"{name}_total_ms"] /= RUN_EPOCHS            # per epoch of the run
+        row[f"{name}_total_warm_ms"] /= RUN_EPOCHS
         row[f"{name}_sampling_ms"] = sampling
         row[f"{name}_model_ms"] = row[f"{name}_ms"] - sampling
     if "granii" in names:

@@ -18,16 +18,21 @@ of 100 calls: the first, the calls measured, and the steady median for the calls
 (``rounds.summarise``; steady: after granii's measured tie-break has settled). Layers run in
 eval mode under ``torch.no_grad``.
 
-On new features one more candidate, ``floor``, times in the same rounds the least work every plan
-of the layer does (``floor_work``): ``X W`` (``torch.mm`` of new ``N x k_in`` features by a
-``k_in x c k_out`` matrix, ``c`` the layer's weight blocks: the weights multiply all ``N`` rows,
-before or after the aggregation) plus ``a`` unweighted sums over the in-edges at width
-``min(k_in, k_out)`` (the project's native SpMM, at the machine's limit; DGL's ``copy_u_sum``
-without the extension): a normalised, weighted or attention-weighted aggregation does at least
-that much. ``(c, a)`` is ``(1, 1)`` for GraphConv, GINConv and GATConv, ``(2, 1)`` for SAGEConv
-(``fc_self`` and ``fc_neigh``), ``(1, k)`` for SGConv and ``(k + 1, k)`` for TAGConv (``A^j X``
-for ``j <= k``, each with its own block of the weight). It runs in granii's memory-pool scope, as
-plans do. ``ceiling = dgl_ms / floor_ms`` bounds the steady speedup any plan can reach there.
+On new features one more candidate, ``family_floor``, times in the same rounds the least work of
+the plans granii enumerates for the layer (``floor_work``): ``X W`` (``torch.mm`` of new
+``N x k_in`` features by a ``k_in x c k_out`` matrix, ``c`` the layer's weight blocks) plus ``a``
+unweighted sums over the in-edges at width ``min(k_in, k_out)`` (the project's native SpMM; DGL's
+``copy_u_sum`` without the extension), ``(c, a)`` = ``(1, 1)`` for GraphConv, GINConv and
+GATConv, ``(2, 1)`` for SAGEConv, ``(1, k)`` for SGConv and ``(k + 1, k)`` for TAGConv.
+``family_ceiling = dgl_ms / family_floor_ms`` bounds that family only, at the kernels' speed
+measured here: it is not a bound on what a plan can do (granii's own steady time beat it in 45 of
+162 configurations of an earlier run). The lower bound of the row is ``bound_ms``
+(``bench.bounds``: the bytes and multiply-adds any correct algorithm must do, at this machine's
+measured rates); no measured time may beat it.
+
+First calls: timed in this process as above (``*_first_warm_ms``) and, given ``fresh``, in a
+fresh process (``bench.fresh``), which the totals then use. With ``ablations``, new features also
+time ``bench.ablation``'s ``dgl_pool`` and ``granii_nopool``.
 
 Correctness, after timing, of the very copies timed: the output on a new tensor and, with the
 same features, on the timed tensor called twice more (the reuse path), against DGL's layer
@@ -46,7 +51,7 @@ from granii import granii as optimize
 from granii.graph import graph_info
 from granii.kernels import native, pool
 
-from . import check, models
+from . import ablation, bounds, check, models
 from .decisions import Settling, describe
 from .fullbatch import CAP, _ratios, _short, record
 from .inputs import FreshFeatures, fresh_graph
@@ -98,8 +103,13 @@ def _check(layer0, g, x, timed_layers, features):
 
 
 def measure(model, graph_name, g, k_in, k_out, cost_models, budget=0.6, max_rounds=CALLS - 1,
-            seed=0):
-    """The two rows (new features, same features) of one configuration (see module doc)."""
+            seed=0, fresh=None, ablations=False, rates=None):
+    """The two rows (new features, same features) of one configuration (see module doc).
+
+    ``fresh``: ``{(features, candidate): seconds}`` of first calls timed in a fresh process
+    (``bench.fresh``), used in the totals; ``ablations``: on new features, time
+    ``bench.ablation``'s candidates too; ``rates``: this machine's (``bounds.measure_rates``), for
+    the lower bound of each new-features row (``bound_ms``)."""
     layer0 = models.build(model, k_in, k_out, seed).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(g.num_nodes(), k_in, generator=gen)
@@ -111,9 +121,15 @@ def measure(model, graph_name, g, k_in, k_out, cost_models, budget=0.6, max_roun
         names = {"dgl": None, "granii": cost_models["granii"]}
         if features == "new" and "restricted" in cost_models:
             names["restricted"] = cost_models["restricted"]
+        if features == "new" and ablations:
+            names.update(dgl_pool=None, granii_nopool=cost_models["granii"])
+        firsts = {c: v for (f, c), v in (fresh or {}).items() if f == features}
         try:
             timing, timed_layers = _time(layer0, g, x, k_out, names, features, budget, max_rounds,
-                                         seed)
+                                         seed, firsts)
+            if features == "new" and rates is not None:
+                timing["bound_ms"] = bounds.layer_bound(rates, layer0, g, k_in, k_out) * 1e3
+                timing["bound_ceiling"] = timing["dgl_ms"] / timing["bound_ms"]
             row.update(timing)
             errs = _check(layer0, g, x, timed_layers, features)
             for name, err in errs.items():
@@ -131,7 +147,7 @@ def measure(model, graph_name, g, k_in, k_out, cost_models, budget=0.6, max_roun
     return rows
 
 
-def _time(layer0, g, x, k_out, names, features, budget, max_rounds, seed):
+def _time(layer0, g, x, k_out, names, features, budget, max_rounds, seed, fresh=None):
     """``(timing columns, {name: (timed layer, its graph)})``."""
     feats = FreshFeatures(x.shape, seed=seed + 11) if features == "new" else None
     x0 = torch.randn_like(x)
@@ -143,29 +159,32 @@ def _time(layer0, g, x, k_out, names, features, budget, max_rounds, seed):
         if twin is not None:
             row["dgl_layer"] = "SGConv(cached=True)"
         layers[name] = (layer, fg)
+        call = _call
+        if name in ablation.CONTEXT:
+            call = lambda *a, name=name: ablation.run_in(name, _call, *a)
         xi = feats.next() if feats else x
         t0 = time.perf_counter()
         if cm is not None:
             optimize(layer, fg, x0 if feats else x, cost_model=cm)
-        _call(layer, fg, xi)
+        call(layer, fg, xi)
         first[name] = time.perf_counter() - t0
         if feats:
-            fns[name] = lambda layer=layer, fg=fg: timed(_call, layer, fg, feats.next())
+            fns[name] = lambda layer=layer, fg=fg, call=call: timed(call, layer, fg, feats.next())
         else:
-            fns[name] = lambda layer=layer, fg=fg: timed(_call, layer, fg, x)
+            fns[name] = lambda layer=layer, fg=fg, call=call: timed(call, layer, fg, x)
     if feats:
-        fns["floor"] = floor_fn(fresh_graph(g), x.shape[1], k_out, feats, seed,
-                                *floor_work(layer0))
-    opt_layers = [layers[k][0] for k in names if k != "dgl"]
+        fns["family_floor"] = floor_fn(fresh_graph(g), x.shape[1], k_out, feats, seed,
+                                       *floor_work(layer0))
+    optimized = [k for k in names if not k.startswith("dgl")]
+    opt_layers = [layers[k][0] for k in optimized]
     with OthersMeter() as others:
         samples, steady_from = interleaved(
             fns, max_rounds=max_rounds, min_rounds=5, budget=budget,
-            settled=Settling(*opt_layers), cap=CAP * max(budget, 0.5),
-            settle=[k for k in names if k != "dgl"])
-    record(row, names, first, samples, steady_from, CALLS)
+            settled=Settling(*opt_layers), cap=CAP * max(budget, 0.5), settle=optimized)
+    record(row, names, first, samples, steady_from, CALLS, fresh)
     if feats:
-        floor = steady_median(samples["floor"], steady_from) * 1e3
-        row.update(floor_ms=floor, ceiling=row["dgl_ms"] / floor)
+        floor = steady_median(samples["family_floor"], steady_from) * 1e3
+        row.update(family_floor_ms=floor, family_ceiling=row["dgl_ms"] / floor)
     row.update(others_cores=others.cores, time=time.strftime("%H:%M:%S"))
     return row, layers
 

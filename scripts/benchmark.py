@@ -38,9 +38,9 @@ import warnings
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
-# Threads that wait at an OpenMP barrier sleep instead of spinning: with spinning, another busy
-# process on this 2-core machine makes 2-thread runs many times slower. Set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OMP_WAIT_POLICY is left as the user's environment has it (unset: the OpenMP runtime's default,
+# workers spin a while after each parallel region): the headline is what a user gets. The
+# ``--passive`` row runs the single layers again in a child process with OMP_WAIT_POLICY=PASSIVE.
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -50,7 +50,8 @@ from tqdm import tqdm  # noqa: E402
 
 with warnings.catch_warnings(record=True) as IMPORT_WARNINGS:     # what granii said at import
     warnings.simplefilter("always")
-    from bench import examples, fullbatch, inputs, minibatch, single, summary  # noqa: E402
+    from bench import (bounds, examples, fresh, fullbatch, inputs, minibatch, single,  # noqa: E402
+                       summary)
     from bench.csvfile import write_csv  # noqa: E402
     from bench.restrict import WithoutNative  # noqa: E402
 
@@ -138,32 +139,56 @@ def plan(args):
                     todo.append(("minibatch", (m, gname), WEIGHT["minibatch"] * scale))
     if "layers" in args.parts:
         lg = [g for g in graphs if g in LAYER_GRAPHS[0]] if args.graphs else LAYER_GRAPHS[q]
+        levels = getattr(args, "levels", None)
         for level, m, gname, ki, ko in single.configs(lg, args.quick,
                                                        [m for m in single.LAYERS
                                                         if m in args.models]):
+            if levels is not None and level not in levels:
+                continue
             w = WEIGHT["layers"].get(gname, 9) * (0.75 + max(ki, ko) / 512) * scale
             todo.append(("layers", (m, gname, ki, ko), w))
     return todo
 
 
-def run(args, cost_model, out, log):
+def fresh_firsts(zygote, part, key):
+    """First calls of DGL and granii for one configuration, each in a fresh process
+    (``bench.fresh``): ``{candidate: s}`` (models, minibatch) or ``{(features, candidate): s}``
+    (layers: those on new features stand for both rows, see ``README`` of the report)."""
+    if zygote is None:
+        return None
+    if part == "models":
+        m, gname, task = key
+        return zygote.firsts(("dgl", "granii"), kind="model", model=m, graph=gname, task=task)
+    if part == "minibatch":
+        m, gname = key
+        return zygote.firsts(("dgl", "granii"), kind="minibatch", model=m, graph=gname)
+    m, gname, ki, ko = key
+    got = zygote.firsts(("dgl", "granii"), kind="layer", model=m, graph=gname, k_in=ki, k_out=ko,
+                        features="new")
+    return {(f, c): v for f in ("new", "same") for c, v in got.items()}
+
+
+def run(args, cost_model, out, log, rates=None):
     cms = {"granii": cost_model}
     if native_primitives():
         cms["restricted"] = WithoutNative(cost_model)
     todo = plan(args)
-    deadline = time.time() + 60 * args.minutes - 45 if args.minutes else None
+    # the PASSIVE row runs after the single layers: about 3 minutes of the budget are kept for it
+    reserve = 45 + (180 if args.passive and "layers" in args.parts else 0)
+    deadline = time.time() + 60 * args.minutes - reserve if args.minutes else None
     budget = {k: v[1 if args.quick else 0] for k, v in BUDGET.items()}
     loaded, model_rows, layer_rows = {}, [], []
     bar = tqdm(total=sum(w for *_, w in todo), unit="s", unit_scale=False, smoothing=0.1,
                bar_format="{l_bar}{bar}| {percentage:3.0f}% [{elapsed}<{remaining}] {postfix}",
                mininterval=1.0, file=sys.stderr)
     skipped = 0
+    zygote = fresh.Zygote() if args.fresh else None
     for i, (part, key, weight) in enumerate(todo):
         if deadline is not None and time.time() > deadline and part == "layers":
             skipped = len(todo) - i
             log(f"time budget spent: {skipped} single-layer configurations left out")
             break
-        ends = (f", ends by {time.strftime('%H:%M', time.localtime(deadline + 45))}"
+        ends = (f", ends by {time.strftime('%H:%M', time.localtime(deadline + reserve))}"
                 if deadline else "")
         bar.set_postfix_str(f"{part} {' '.join(map(str, key))}{ends}")
         gname = key[1]
@@ -171,23 +196,27 @@ def run(args, cost_model, out, log):
             loaded[gname] = inputs.load(gname)
         inp = loaded[gname]
         try:
+            first = fresh_firsts(zygote, part, key)
             if part == "models":
                 m, _, task = key
-                row = fullbatch.measure(examples.FULL[m], inp, task, cms, budget=budget[task])
+                row = fullbatch.measure(examples.FULL[m], inp, task, cms, budget=budget[task],
+                                        fresh=first, ablations=args.ablations)
                 model_rows.append(row)
                 write_csv(out / "models.csv", model_rows)
                 log(_line(row))
             elif part == "minibatch":
                 spec, fanouts = examples.SAMPLED[key[0]]
                 row = minibatch.measure(spec, fanouts, inp, cms, budget=budget["minibatch"],
-                                        max_rounds=3 if args.quick else minibatch.RUN_EPOCHS - 1)
+                                        max_rounds=3 if args.quick else minibatch.RUN_EPOCHS - 1,
+                                        fresh=first)
                 model_rows.append(row)
                 write_csv(out / "models.csv", model_rows)
                 log(_line(row))
             else:
                 m, _, ki, ko = key
                 rows = single.measure(m, gname, inp.g, ki, ko, cms, budget=budget["layers"],
-                                      max_rounds=args.calls - 1)
+                                      max_rounds=args.calls - 1, fresh=first,
+                                      ablations=args.ablations, rates=rates)
                 layer_rows.extend(rows)
                 write_csv(out / "layers.csv", layer_rows)
                 log(_layer_line(rows))
@@ -195,7 +224,11 @@ def run(args, cost_model, out, log):
             log(f"  {part} {key}: error\n{traceback.format_exc()}")
         bar.update(weight)
     bar.close()
+    if zygote is not None:
+        zygote.close()
     errors = fullbatch.ERRORS + minibatch.ERRORS + single.ERRORS
+    if zygote is not None:
+        errors += [(req, f"{err}\n{tb}") for req, err, tb in zygote.errors]
     if errors:
         (out / "errors.txt").write_text("\n".join(
             f"== {' '.join(str(v) for v in b.values() if isinstance(v, (str, int)))[:200]}\n{tb}"
@@ -244,6 +277,23 @@ def legacy(parts, args, cost_model, out):
         report.write(out, name="sweep.md")
 
 
+def passive_row(args, out):
+    """The single layers of the first size level again, in a child process whose environment
+    has ``OMP_WAIT_POLICY=PASSIVE`` (it must be set before torch loads), into ``out/passive``;
+    the report sets them beside the same configurations of this run. Returns its exit code."""
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    cmd = [sys.executable, "-m", "scripts.benchmark", "--parts", "layers", "--levels", "0",
+           "--out", str(out / "passive"), "--no-fresh", "--no-ablations", "--no-passive",
+           "--models", ",".join(args.models), "--calls", str(args.calls),
+           "--note", "OMP_WAIT_POLICY=PASSIVE row of the main run"]
+    if args.quick:
+        cmd.append("--quick")
+    if args.graphs:
+        cmd += ["--graphs", args.graphs]
+    print("OMP_WAIT_POLICY=PASSIVE row: " + " ".join(cmd[1:]), flush=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env).returncode
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="Cora and CiteSeer, short: a few minutes")
@@ -251,17 +301,28 @@ def main(argv=None):
     ap.add_argument("--models", default="gcn,gat,sage,gin,sgc,tagcn")
     ap.add_argument("--graphs", default="", help="comma-separated (default: the suite's)")
     ap.add_argument("--minutes", type=float, default=None,
-                    help="time budget (default 25; none with --quick); single layers stop then")
+                    help="time budget (default 20; none with --quick); single layers stop then")
     ap.add_argument("--calls", type=int, default=100,
                     help="calls per single-layer configuration at most (first included)")
     ap.add_argument("--out", default=str(ROOT / "results" / "bench"))
     ap.add_argument("--note", default="", help="a note for the report (e.g. the machine's load)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild report.md")
+    ap.add_argument("--no-fresh", dest="fresh", action="store_false",
+                    help="time first calls in this process only (warm: not what a user's first "
+                         "call costs; the totals then say so)")
+    ap.add_argument("--no-ablations", dest="ablations", action="store_false",
+                    help="skip the allocator ablation (dgl_pool, granii_nopool)")
+    ap.add_argument("--no-passive", dest="passive", action="store_false",
+                    help="skip the OMP_WAIT_POLICY=PASSIVE row (single layers of the first level "
+                         "again, in a child process)")
+    ap.add_argument("--levels", default="",
+                    help="single layers: only these size levels (comma-separated, from 0)")
     args = ap.parse_args(argv)
+    args.levels = [int(v) for v in args.levels.split(",") if v.strip()] or None
     args.parts = [p for p in args.parts.split(",") if p]
     args.models = [m for m in args.models.split(",") if m]
     if args.minutes is None:
-        args.minutes = 0 if args.quick else 25
+        args.minutes = 0 if args.quick else 20
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m scripts.benchmark " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -279,12 +340,22 @@ def main(argv=None):
         info["note"] = args.note
     print(f"granii benchmark: {info['cpu']}, {info['threads']} threads, cost model "
           f"{info['cost_model']}, native kernels {info['native']}; writing to {out}", flush=True)
-    (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
     parts = [p for p in args.parts if p in PARTS]
+    rates = None
+    if "layers" in parts:
+        rates = bounds.measure_rates()
+        info["rates"] = {"gemm_macs": rates["gemm_macs"],
+                         "bandwidth": {str(k): v for k, v in rates["bandwidth"].items()}}
+        print(f"machine rates: GEMM {rates['gemm_macs'] / 1e9:.1f} G multiply-adds/s, streaming "
+              f"{min(rates['bandwidth'].values()) / 1e9:.1f}-"
+              f"{max(rates['bandwidth'].values()) / 1e9:.1f} GB/s", flush=True)
+    (out / "machine.json").write_text(json.dumps(info, indent=1) + "\n")
     if parts:
         for name in ("models.csv", "layers.csv", "errors.txt"):
             (out / name).unlink(missing_ok=True)
-        info["left_for_time"] = run(args, cost_model, out, lambda s: tqdm.write(s))
+        info["left_for_time"] = run(args, cost_model, out, lambda s: tqdm.write(s), rates)
+    if "layers" in parts and args.passive:
+        info["passive"] = passive_row(args, out)
     legacy_parts = [p for p in args.parts if p in LEGACY]
     if legacy_parts:
         legacy(legacy_parts, args, cost_model, out)

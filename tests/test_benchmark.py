@@ -299,15 +299,15 @@ def test_single_layer_row_when_the_optimized_copies_settled_alone(tiny, cost_mod
         samples, _ = real(cands, **dict(kw, max_rounds=2, settled=None, settle=()))
         for name in kw["settle"]:          # three more rounds alone, the last two steady
             samples[name] += [cands[name]() for _ in range(3)]
-        samples["floor"] = [0.004, 0.002]
+        samples["family_floor"] = [0.004, 0.002]
         return samples, 3
     monkeypatch.setattr(single, "interleaved", settled_alone)
     new, _ = single.measure("gcn", "tiny", _tiny_inputs(tiny).g, 8, 4,
                             {"granii": cost_model}, budget=0.0, max_rounds=2)
     assert new["status"] == "ok" and new["check"] == "pass", new
     assert new["rounds"] == 2 and new["alone_rounds"] == 3 and new["steady_rounds"] == 2
-    assert new["floor_ms"] == pytest.approx(3.0)
-    assert math.isfinite(new["speedup"]) and math.isfinite(new["ceiling"])
+    assert new["family_floor_ms"] == pytest.approx(3.0)
+    assert math.isfinite(new["speedup"]) and math.isfinite(new["family_ceiling"])
 
 
 def test_settling_follows_a_tie_break_on_sampled_blocks(cost_model):
@@ -354,3 +354,115 @@ def test_the_floor_counts_every_weight_block_and_aggregation_of_the_layer():
     assert floor_work(models.build("sage", 8, 4)) == (2, 1)
     assert floor_work(models.build("sgc", 8, 4)) == (1, 2)
     assert floor_work(models.build("tagcn", 8, 4)) == (3, 2)
+
+
+# -- first calls, scenarios, bounds, ablation ------------------------------------------------------
+def test_totals_use_the_fresh_process_first_call():
+    """With first calls from a fresh process for DGL and granii, the totals (the headline) use
+    them and the warm ones are kept apart; without granii's, both stay warm and the row says so."""
+    from bench.fullbatch import _ratios, record
+    samples = {"dgl": [0.010] * 9, "granii": [0.005] * 9}
+    row = {}
+    record(row, ["dgl", "granii"], {"dgl": 0.02, "granii": 0.03}, samples, 0, 100,
+           fresh={"dgl": 0.2, "granii": 1.5})
+    _ratios(row)
+    assert row["first_call"] == "fresh process"
+    assert row["granii_first_ms"] == pytest.approx(1500) and \
+        row["granii_first_warm_ms"] == pytest.approx(30)
+    assert row["granii_total_ms"] == pytest.approx(1500 + 99 * 5)
+    assert row["granii_total_warm_ms"] == pytest.approx(30 + 99 * 5)
+    assert row["speedup"] == pytest.approx((200 + 990) / (1500 + 495))
+    assert row["speedup_warm"] == pytest.approx((20 + 990) / (30 + 495))
+    half = {}
+    record(half, ["dgl", "granii"], {"dgl": 0.02, "granii": 0.03}, samples, 0, 100,
+           fresh={"dgl": 0.2, "granii": float("nan")})
+    assert half["first_call"] == "warm process"
+    assert half["dgl_total_ms"] == pytest.approx(half["dgl_total_warm_ms"])
+
+
+def test_fresh_children_share_nothing():
+    """Each first call runs in a child of a process that only imported: a cost model loaded by
+    one child's granii(...) is not loaded in the next child, nor in the zygote."""
+    from bench.fresh import Zygote
+    with Zygote() as z:
+        first = z.first_call(kind="layer", model="gcn", graph="cora", k_in=8, k_out=4,
+                             features="new", candidate="granii")
+        assert math.isfinite(first) and first > 0, z.errors
+        assert z.first_call(kind="probe", candidate="-") == 0.0, z.errors
+        assert math.isnan(z.first_call(kind="layer", model="nope", graph="cora", k_in=8,
+                                       k_out=4, features="new", candidate="dgl"))
+        assert z.errors and "nope" in str(z.errors[-1][1])
+
+
+def _layer_frame(**cols):
+    import pandas as pd
+    base = dict(model="gcn", graph="g", k_in=8, k_out=4, features="new", status="ok",
+                check="pass", speedup=2.0, speedup_steady=2.0)
+    return pd.DataFrame([dict(base, **cols)])
+
+
+def test_headline_counts_only_configurations_users_run():
+    """SGC uncached on new features is reported apart: not in ``all``, in ``all_with_others``."""
+    import pandas as pd
+    from bench import summary
+    df = pd.DataFrame([dict(model=m, graph=g, task="infer", status="ok", check="pass",
+                            speedup=s) for m, g, s in [("gcn", "a", 2.0), ("gcn", "b", 2.0),
+                                                       ("sgc", "a", 10.0), ("sgc", "b", 10.0)]])
+    s = summary.models_summary(df)["infer"]
+    assert s["all"] == pytest.approx(2.0)
+    assert s["all_with_others"] == pytest.approx(math.sqrt(20.0))
+    assert "not as users run it" in summary.headline_table(df)
+    layers = pd.concat([_layer_frame(), _layer_frame(model="sgc", speedup=9.0)])
+    table = summary.layers_table(layers)
+    assert "**all, as users run them** | **2.00x**" in table
+
+
+def test_a_time_below_the_true_bound_stops_the_report():
+    from bench import summary
+    ok = _layer_frame(bound_ms=0.5, dgl_min_ms=0.9, granii_min_ms=0.6)
+    assert summary.check_bounds(ok) == 1
+    with pytest.raises(AssertionError, match="harness bug"):
+        summary.check_bounds(_layer_frame(bound_ms=0.5, dgl_min_ms=0.9, granii_min_ms=0.4))
+
+
+def test_true_bound_counts_the_work_any_algorithm_must_do(tiny):
+    """Bytes: used source rows x k_in, one index per edge, the weights, the result; multiply-adds:
+    every weight block on every row. The bound takes the slower of the two at the given rates."""
+    from bench import bounds
+    g = tiny[1]
+    n, e = g.num_nodes(), g.num_edges()
+    used = int(torch.unique(g.edges()[0]).numel())
+    nbytes, macs = bounds.layer_work(models.build("gcn", 8, 4), g, 8, 4)
+    assert nbytes == 4 * (used * 8 + n * 4 + 8 * 4) + 4 * e and macs == n * 8 * 4
+    assert bounds.layer_work(models.build("sage", 8, 4), g, 8, 4)[1] == 2 * n * 8 * 4
+    assert bounds.layer_work(models.build("tagcn", 8, 4), g, 8, 4)[1] == 3 * n * 8 * 4
+    rates = {"bandwidth": {1 << 16: 100e9, 1 << 20: 50e9, 1 << 28: 10e9}, "gemm_macs": 1e9}
+    assert bounds.bandwidth_for(rates, 1 << 21) == 100e9      # the fastest of smaller buffers
+    assert bounds.bandwidth_for(rates, 1 << 10) == 100e9
+    assert bounds.bound_seconds(rates, 1 << 30, 10) == pytest.approx((1 << 30) / 100e9)
+    assert bounds.bound_seconds(rates, 10, 10 ** 9) == pytest.approx(1.0)
+
+
+def test_ablation_contexts_scope_the_pool():
+    from bench import ablation
+    from granii.kernels import pool
+    limit = pool.stats()["limit"]
+    with ablation.unpooled():
+        assert pool.stats()["limit"] == 0
+    assert pool.stats()["limit"] == limit
+    row = ablation.ratios({"dgl_ms": 4.0, "dgl_pool_ms": 2.0, "granii_ms": 1.0,
+                           "granii_nopool_ms": 1.6})
+    assert row["pool_gain_dgl"] == 2.0 and row["plan_gain_pooled"] == 2.0
+    assert row["plan_gain_unpooled"] == 2.5 and row["pool_gain_granii"] == 1.6
+
+
+def test_benchmark_levels_and_default_environment():
+    """``--levels`` keeps only those size levels; the script no longer sets OMP_WAIT_POLICY."""
+    import argparse
+    from scripts import benchmark
+    args = argparse.Namespace(quick=False, graphs="cora", parts=["layers"], models=["gcn"],
+                              levels=[0])
+    keys = [k for _, k, _ in benchmark.plan(args)]
+    assert sorted((ki, ko) for _, _, ki, ko in keys) == [(32, 128), (128, 32)]
+    text = (ROOT / "scripts" / "benchmark.py").read_text()
+    assert 'setdefault("OMP_WAIT_POLICY"' not in text

@@ -1,19 +1,25 @@
 """``granii(model, graph, feats)``, ``restore(model)``: wrapping a model's GNN layers.
 
-``granii`` finds the GNN layers of ``model`` (modules whose class's ``forward`` takes a graph first
-and that hold no such layer themselves) and sets a ``dispatch.Dispatcher`` as the ``forward`` of
-each instance. With ``inspect_now`` it runs the model once on ``(graph, feats)`` as its next calls
-will run (a training step's forward in training mode, without gradients otherwise), so every layer
-compiles and decides for this input now; that run leaves the model as it found it
-(parameters, buffers, attributes, training flags and the random number generator).
+``granii`` finds the GNN layers of ``model`` by running it once on ``(graph, feats)``: a layer is a
+submodule called with a graph among its arguments (a ``DGLGraph``, a sampled block, a list of
+blocks or a ``dgl.sparse`` matrix), or holding one it reads (``self.g``), none of whose own
+submodules was (``find_layers``), whatever its forward calls its parameters (``g``, ``bg``, ``mfg``,
+``blocks``, ``A``). It sets a ``dispatch.Dispatcher`` as the ``forward`` of each. With
+``inspect_now`` it then runs the model again as its next calls will run (a training step's forward
+in training mode, without gradients otherwise), so every layer compiles and decides for this
+input now. Both runs leave the model as they found it (parameters, buffers, attributes, training
+flags and the random number generator). A layer granii cannot lower (a ``dgl.sparse`` product, a
+graph held rather than passed) runs its own forward, and ``explain`` says why.
 """
+import functools
 import inspect
 import json
 import os
 
+import dgl
 import torch
 
-from .dispatch import (Dispatcher, Options, _any_requires_grad, dispatcher_of, inspecting,
+from .dispatch import (Dispatcher, Options, Ran, _any_requires_grad, dispatcher_of, inspecting,
                        layer_states, leaf_vals_order, prepare)
 from .explain import explain
 from .kernels import pool
@@ -21,7 +27,10 @@ from .plan import plan_code
 from .select import EXPECTED_CALLS
 
 DECISIONS_FORMAT = 1
-_GRAPH_ARG_NAMES = {"graph", "g", "block", "G", "subgraph"}
+# what a graph argument is usually called: only for a hint on a features-first forward, and for
+# finding layers without running the model (``inspect_now=False``)
+_GRAPH_ARG_NAMES = {"graph", "g", "block", "G", "subgraph", "bg", "hg", "mfg", "blocks", "sg",
+                    "batched_graph"}
 
 
 def _forward_params(module):
@@ -38,12 +47,68 @@ def _takes_graph(module):
     return len(params) >= 2 and params[0] in _GRAPH_ARG_NAMES
 
 
-def find_layers(model):
-    """``[(name, module)]``: the innermost modules whose forward takes a graph first."""
-    cands = [(n, m) for n, m in model.named_modules() if _takes_graph(m)]
+def _innermost(cands):
+    """The ``(name, module)`` of ``cands`` none of whose submodules is in ``cands``."""
     names = [n for n, _ in cands]
     return [(n, m) for n, m in cands
             if not any(o != n and (n == "" or o.startswith(n + ".")) for o in names)]
+
+
+def find_layers(model, graph=None, feats=None, extra_args=(), extra_kwargs=None):
+    """``[(name, module)]``: the GNN layers of ``model``.
+
+    Given ``graph`` and ``feats``: the innermost submodules that receive a graph when the model
+    runs on them (``graph_receivers``; the model is left as found). Without: the innermost
+    modules whose forward's first parameter has a graph's usual name (``_GRAPH_ARG_NAMES``)."""
+    if graph is None:
+        return _innermost([(n, m) for n, m in model.named_modules() if _takes_graph(m)])
+    return graph_receivers(model, lambda: _call_model(model, graph, feats, extra_args,
+                                                      extra_kwargs or {}))
+
+
+def is_graph(value):
+    """A DGL graph (a block too) or a ``dgl.sparse`` matrix."""
+    if isinstance(value, dgl.DGLGraph):
+        return True
+    cls = type(value)
+    return cls.__name__ == "SparseMatrix" and cls.__module__.startswith("dgl.sparse")
+
+
+def _graph_in(args, kwargs):
+    for v in (*args, *kwargs.values()):
+        if is_graph(v) or (isinstance(v, (list, tuple)) and v and all(is_graph(b) for b in v)):
+            return True
+    return False
+
+
+def graph_receivers(model, run):
+    """``[(name, module)]``: the innermost submodules of ``model`` called with a graph (or a
+    list of blocks) among their arguments, or holding a graph in an attribute, while ``run()``
+    runs the model. Layers optimized already run their own forward meanwhile; the run leaves
+    the model as it found it (``_snapshot``)."""
+    got = {}
+
+    def saw(name, module, args, kwargs):
+        if name not in got and (_graph_in(args, kwargs)
+                                or any(is_graph(v) for v in module.__dict__.values())):
+            got[name] = module
+    handles, hidden = [], []
+    for name, m in model.named_modules():
+        if dispatcher_of(m) is not None:
+            hidden.append((m, m.__dict__.pop("forward")))
+        handles.append(m.register_forward_pre_hook(functools.partial(saw, name),
+                                                   with_kwargs=True))
+    saved = _snapshot(model)
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+        for m, d in hidden:
+            m.__dict__["forward"] = d
+        _restore_snapshot(saved)
+    return _innermost([(n, m) for n, m in model.named_modules() if n in got])
 
 
 def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, inspect_now=True,
@@ -106,10 +171,21 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     cost_model = _checked_cost_model(cost_model)
     opts = Options(cost_model, expected_calls, per_batch, reuse_inputs,
                    tune and not deterministic and decisions is None, decisions, memory_limit)
-    layers = find_layers(model)
+    if inspect_now:
+        try:
+            layers = find_layers(model, graph, feats, extra_args, extra_kwargs)
+        except Exception as e:
+            if hasattr(e, "add_note"):
+                e.add_note("granii: running the model on the given input failed, so it was "
+                           "left unchanged" + _order_hint(model))
+            raise
+    else:
+        layers = find_layers(model)
     if not layers:
-        raise TypeError(f"granii: {type(model).__name__} holds no GNN layer (a module whose "
-                        "forward takes a graph as its first argument)")
+        how = ("no submodule of it was called with a graph when it ran on the given input"
+               if inspect_now else "no submodule's forward takes a graph first (pass "
+               "inspect_now=True to find the layers by running the model)")
+        raise TypeError(f"granii: {type(model).__name__} holds no GNN layer: {how}")
     pool.install()
     wrapped = []
     for name, layer in layers:
@@ -193,12 +269,17 @@ def _inspect(model, graph, feats, extra_args=(), extra_kwargs=None):
     blocks = bool(parts) and all(getattr(b, "is_block", False) for b in parts)
     try:
         with torch.set_grad_enabled(train), inspecting(model, blocks):
-            if _takes_features_only(model) and not extra_args:
-                model(feats, **(extra_kwargs or {}))
-            else:
-                model(graph, feats, *extra_args, **(extra_kwargs or {}))
+            _call_model(model, graph, feats, extra_args, extra_kwargs or {})
     finally:
         _restore_snapshot(saved)
+
+
+def _call_model(model, graph, feats, extra_args, extra_kwargs):
+    """``model(graph, feats, ...)``, or ``model(feats)`` when its forward takes only the
+    features (it holds its graph)."""
+    if _takes_features_only(model) and not extra_args:
+        return model(feats, **extra_kwargs)
+    return model(graph, feats, *extra_args, **extra_kwargs)
 
 
 def _order_hint(model):
@@ -289,6 +370,18 @@ def _saved_layers(data, where):
     return data["layers"]
 
 
+def what_ran(model):
+    """``{layer name: Ran}``: what the last call of each optimized layer of ``model`` ran: a
+    plan (``kind == "plan"``, ``label`` its index and kernels), the layer's own forward as the
+    decision for the call (``"original"``: the measured tie-break kept it or gave it its turn,
+    or a saved decision names it) or as a fallback (``"fallback"``, ``reason`` says why).
+    ``None`` for a layer not called yet."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"granii.what_ran takes the model given to granii(...), not "
+                        f"{type(model).__name__}")
+    return {st.name: getattr(st, "ran", None) for st in layer_states(model)}
+
+
 def restore(model):
     """Undo ``granii(model, ...)``: every layer runs its original forward again."""
     if not isinstance(model, torch.nn.Module):
@@ -300,5 +393,6 @@ def restore(model):
     return model
 
 
-__all__ = ["granii", "restore", "explain", "save_decisions", "load_decisions", "find_layers", "plan_code", "layer_states",
+__all__ = ["granii", "restore", "explain", "save_decisions", "load_decisions", "find_layers",
+           "graph_receivers", "is_graph", "what_ran", "Ran", "plan_code", "layer_states",
            "leaf_vals_order", "prepare"]

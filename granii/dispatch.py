@@ -34,6 +34,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -41,7 +42,7 @@ import torch.utils.checkpoint
 from .enumerate import TooManyTrees, binary_orders, layer_forest
 from .fuse import fused_variants
 from .frontend import FrontendError, RaisesForConfig, lower_layer
-from .frontend.rules import config_summary
+from .frontend.rules import Same, config_summary
 from .graph import graph_info, known_info
 from .kernels import pool, sparse_rows
 from .memory import plan_memory
@@ -106,6 +107,35 @@ class LayerState:
     params: tuple = None                             # (names, defaults, all plain) of forward
     fast: object = field(default_factory=weakref.WeakKeyDictionary)  # gi -> {guard: entry}
     hot: tuple = None                                # (graph, GraphInfo) by weak reference, table
+    ran: tuple = None                                # ``Ran``: what the last call ran
+
+
+class Ran(NamedTuple):
+    """What one call of a layer ran: ``kind`` ``"plan"`` (a compiled plan, ``label`` ``[i]`` or
+    ``[i] impl/..``), ``"original"`` (the layer's own forward as the decision for the call:
+    measured faster by the tie-break, its turn in it, or a saved decision) or ``"fallback"``
+    (the layer's own forward because granii cannot run this call: ``reason`` says why)."""
+    kind: str
+    label: str
+    reason: str = None
+
+
+_PLAN_RAN = {}
+
+
+def _ran_plan(label):
+    ran = _PLAN_RAN.get(label)
+    if ran is None:
+        ran = _PLAN_RAN[label] = Ran("plan", label)
+    return ran
+
+
+RAN_ORIGINAL = Ran("original", "original forward", "the decision for this call")
+
+
+def _fell_back(state, reason):
+    state.fallback = reason
+    state.ran = Ran("fallback", "original forward", reason)
 
 
 def new_state(layer, name=None):
@@ -169,7 +199,7 @@ def dispatch(state, options, layer, args, kwargs):
         disp = layer.__dict__["forward"]
         state = disp.state = new_state(layer, disp._name)
     if autocast_on():
-        state.fallback = AUTOCAST
+        _fell_back(state, AUTOCAST)
         return original_forward(layer, args, kwargs)
     guard = call_guard(layer, args, kwargs)
     if guard is not None and torch._C._current_graph_task_id() < 0:
@@ -185,6 +215,7 @@ def _dispatch(state, options, layer, args, kwargs, guard):
     shape = _call_shape(args, kwargs)
     known = state.fallbacks.get(shape)
     if known is not None and _config_holds(known, layer):
+        _fell_back(state, str(known))
         return original_forward(layer, args, kwargs)
     try:
         call = prepare(state, layer, args, kwargs, options.reuse_inputs)
@@ -193,7 +224,7 @@ def _dispatch(state, options, layer, args, kwargs, guard):
     except Exception as e:       # noqa: BLE001 - any failure to bind runs the original forward
         call = f"binding the call failed ({type(e).__name__}: {e})"
     if isinstance(call, str):
-        state.fallback = call
+        _fell_back(state, call)
         variant, state.last_failure = state.last_failure, None
         if isinstance(variant, Exception) and getattr(variant, "spec", None) == []:
             state.fallbacks[shape] = variant     # the same reason holds for every such call
@@ -207,7 +238,7 @@ def _dispatch(state, options, layer, args, kwargs, guard):
         per_graph = state.decisions[call.gi] = {}
     dkey = (call.key, call.sym_key) + mode
     if dkey in state.failed:
-        state.fallback = state.failed[dkey]
+        _fell_back(state, state.failed[dkey])
         return original_forward(layer, args, kwargs)
     decision = per_graph.get(dkey)
     skey = None
@@ -251,9 +282,13 @@ def _recompute(state, call, layer, args, kwargs):
     original forward."""
     run = state.forward_run
     if run is None or run[2] is None or run[0] != recompute_key(call):
+        state.ran = (RAN_ORIGINAL if run is not None and run[0] == recompute_key(call)
+                     else Ran("fallback", ORIGINAL, "a recomputation in the backward (activation "
+                              "checkpointing) of a call unlike the layer's last"))
         return original_forward(layer, args, kwargs)
-    _, _, fn, order = run
+    _, label, fn, order = run
     state.calls += 1
+    state.ran = _ran_plan(label)
     return fn(call.gi, layer, *(call.leaf_vals[v] for v in order))
 
 
@@ -262,12 +297,14 @@ def _run(state, dkey, label, fn, order, call, layer, args, kwargs):
     state.forward_run = (recompute_key(call), label, fn, order)
     if fn is None:
         state.fallback = None
+        state.ran = RAN_ORIGINAL
         state.calls += 1
         return original_forward(layer, args, kwargs)
     if (dkey, label) in state.verified:
         out = fn(call.gi, layer, *(call.leaf_vals[v] for v in order))
         state.calls += 1
         state.fallback = None
+        state.ran = _ran_plan(label)
         return out
     # the first run of a plan: if it raises, the original forward runs instead, with the random
     # numbers the plan drew given back
@@ -283,11 +320,12 @@ def _run(state, dkey, label, fn, order, call, layer, args, kwargs):
         state.forward_run = (recompute_key(call), ORIGINAL, None, None)
         warnings.warn(f"granii: layer '{state.name}': {reason}; running the original forward "
                       "from now on for this input", RuntimeWarning)
-        state.fallback = reason
+        _fell_back(state, reason)
         return original_forward(layer, args, kwargs)
     state.verified.add((dkey, label))
     state.calls += 1
     state.fallback = None
+    state.ran = _ran_plan(label)
     return out
 
 
@@ -498,7 +536,9 @@ def _fast_run(state, options, layer, hit, args, kwargs):
     state.fallback = None
     state.forward_run = (run.key, run.label, run.fn, run.order)
     if run.fn is None:
+        state.ran = RAN_ORIGINAL
         return original_forward(layer, args, kwargs)
+    state.ran = _ran_plan(run.label)
     return run.fn(gi, layer, *vals)
 
 
@@ -945,6 +985,8 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
     t0 = time.perf_counter()
     out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
     seconds = (time.perf_counter() - t0) / scale
+    if state.ran.kind != "fallback" and not _INSPECTING[0]:
+        state.ran = Ran(state.ran.kind, label, "a turn of the measured tie-break")
     clock = BackwardClock.of(out, layer, args, scale)
     if clock is None:
         trial.record(label, seconds)
@@ -1164,23 +1206,21 @@ def _walk(obj, parts):
 
 
 def _config_checks(variant):
-    """``[(path parts, id or None, summary)]`` of the module attributes a variant assumed (made
-    once per variant): attributes holding an object are checked by identity, the others by
-    ``config_summary``."""
+    """``[(path parts, Same or None, summary)]`` of the module attributes a variant assumed (made
+    once per variant): attributes holding an object are checked by identity with the object
+    held (``rules.Same``), the others by ``config_summary``."""
     checks = getattr(variant, "config_checks", None)
     if checks is None:
         config = (variant.layer_ir.config if isinstance(variant, Compiled)
                   else getattr(variant, "config", {}))
         checks = variant.config_checks = [
-            (_parts(a), v[1] if isinstance(v, tuple) and len(v) == 2 and v[0] == "object" else None,
-             v)
-            for a, v in config.items()]
+            (_parts(a), v if isinstance(v, Same) else None, v) for a, v in config.items()]
     return checks
 
 
-def _config_value_holds(now, want_id, want):
-    if want_id is not None:
-        return id(now) == want_id
+def _config_value_holds(now, same, want):
+    if same is not None:
+        return same.holds(now)
     return now is want or config_summary(now) == want
 
 

@@ -3,11 +3,14 @@
 Per layer and call signature: the IR as parsed and after the rewrite, its leaves, how many
 association trees were enumerated, pruned and promoted (each promoted plan with its composition and
 trees), then for the last decision the predicted cost of every candidate, the chosen plan step by
-step (primitive, kernel implementation, when it runs, predicted time) and its generated code. A
-layer that runs its original forward says why.
+step (primitive, kernel implementation, when it runs, predicted time) and its generated code;
+then what the layer's last call ran: a plan, the layer's own forward as the decision for it, or
+its own forward as a fallback, with the reason.
 """
 import io
 import sys
+
+import dgl
 
 from . import ir
 from .dispatch import Compiled, layer_states
@@ -32,6 +35,15 @@ def explain(model, file=None):
     text = out.getvalue()
     print(text, file=file or sys.stdout, end="")
     return text
+
+
+def describe_ran(ran):
+    """One line for a ``dispatch.Ran``: what a layer's call ran, and why when not a plan."""
+    if ran.kind == "plan":
+        return f"plan {ran.label}" + (f" ({ran.reason})" if ran.reason else "")
+    if ran.kind == "original":
+        return f"the layer's own forward, {ran.reason}"
+    return f"the original forward (not optimized): {ran.reason}"
 
 
 def _fmt_ms(s):
@@ -64,7 +76,14 @@ def _explain_layer(st, out):
             p(f"        {plan.trees()}")
         if comp.layer_ir.guards:
             p(f"  checks kept from the source: {len(comp.layer_ir.guards)}")
-    if st.fallback:
+    ran = getattr(st, "ran", None)
+    if ran is not None:
+        p(f"  last call ran: {describe_ran(ran)}")
+        held = [k for k, v in vars(st.module).items() if isinstance(v, dgl.DGLGraph)]
+        if ran.kind == "fallback" and held:
+            p(f"  (the layer reads the graph it holds in self.{held[0]}; granii optimizes layers "
+              "that take their graph as the first argument of forward)")
+    elif st.fallback:
         p(f"  last call ran the original forward: {st.fallback}")
     if st.sampled:
         p(f"  sampled blocks: {len(st.sampled)} sampler configuration(s) decided on their first "

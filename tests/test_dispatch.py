@@ -1094,3 +1094,86 @@ def test_feature_density_prices_plans_but_does_not_split_sampler_decisions():
     modes = [k[4:] for k in state.sampled]
     assert len(modes) == len(set(modes)), list(state.sampled)   # one decision per mode
     assert state.reused >= 3
+
+
+# -- configuration held by identity -------------------------------------------------------------------
+class SumThenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 6)
+
+    def forward(self, g, h):
+        with g.local_scope():
+            g.srcdata["h"] = h
+            g.update_all(fn.copy_u("h", "m"), fn.sum("m", "h"))
+            return self.fc(g.dstdata["h"])
+
+
+class Doubled(nn.Module):
+    """Has a Linear's ``weight`` and ``bias``, but doubles its product."""
+
+    def __init__(self, weight, bias):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+        self.bias = nn.Parameter(bias.detach().clone())
+
+    def forward(self, x):
+        return 2 * nn.functional.linear(x, self.weight, self.bias)
+
+
+def _new_at(address, make, bound=20000):
+    """An object from ``make()`` at ``address`` (a freed object's): made again until one lands
+    there (the others are kept, so each try takes a new place); ``None`` after ``bound`` tries."""
+    kept = []
+    for _ in range(bound):
+        obj = make()
+        if id(obj) == address:
+            return obj
+        kept.append(obj)
+    return None
+
+
+def test_a_new_submodule_at_a_freed_ones_address_is_noticed():
+    """A plan assumed ``self.fc`` is the ``nn.Linear`` it lowered (``x W^T + b``). Replacing it
+    by another module made at the freed Linear's address (``id`` equal) must not run that plan:
+    the configuration check holds the object, not its ``id``, so the layer is lowered again and
+    gives the new module's result (it used to run the Linear's plan: half the result)."""
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 12)
+    torch.manual_seed(0)
+    layer = SumThenLinear()
+    granii(layer, g, x, cost_model=AnalyticalCost(), tune=False)
+    weight, bias = layer.fc.weight.detach().clone(), layer.fc.bias.detach().clone()
+    address = id(layer.fc)
+    del layer.fc
+    new = _new_at(address, lambda: Doubled.__new__(Doubled))
+    if new is None:
+        pytest.skip("no object was made at the freed address")
+    Doubled.__init__(new, weight, bias)
+    layer.fc = new
+    ref = SumThenLinear()
+    ref.fc = Doubled(weight, bias)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(g, x), ref(g, x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer(g, x), ref(g, x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_configuration_object_is_held_by_identity():
+    """``rules.Same``: the object itself (weakly where it can be), not its ``id``: a new object
+    at a freed one's address is another object; builtins without weak references are held."""
+    from granii.frontend.rules import Same, config_summary
+
+    class Act:
+        def __call__(self, x):
+            return x
+
+    act = Act()
+    same = config_summary(act)
+    assert isinstance(same, Same) and same.holds(act) and not same.holds(Act())
+    address = id(act)
+    del act
+    new = _new_at(address, Act)
+    assert not same.holds(new) and same.get() is None
+    relu = config_summary(torch.relu)            # no weak reference to a builtin: held
+    assert relu.holds(torch.relu) and relu == config_summary(torch.relu)
+    assert relu != config_summary(torch.tanh) and relu != 3

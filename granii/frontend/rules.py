@@ -21,6 +21,7 @@ import ast
 import dataclasses
 import inspect
 import types
+import weakref
 
 import torch
 from torch import nn
@@ -61,14 +62,47 @@ def module_attr(it, attr):
 
 def config_summary(value):
     """What a compiled plan assumes of a module attribute: its value for plain configuration,
-    only "a tensor" or ``None`` for tensors, identity for anything else (submodules, functions)."""
+    only "a tensor" or ``None`` for tensors, identity for anything else (submodules, functions):
+    a ``Same`` of the object."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.Tensor):
         return "tensor"
     if isinstance(value, tuple) and all(isinstance(v, (bool, int, float, str)) for v in value):
         return value
-    return ("object", id(value))
+    return Same(value)
+
+
+class Same:
+    """That an attribute still holds one object (a submodule, a function). The object is held:
+    by weak reference where it takes one (modules, Python functions: a plan then keeps no module
+    alive), else strongly (builtins such as ``torch.relu``, small configuration objects). Its
+    ``id`` alone would also match a new object made at the address of a freed one."""
+    __slots__ = ("_ref", "_obj")
+
+    def __init__(self, value):
+        try:
+            self._ref, self._obj = weakref.ref(value), None
+        except TypeError:
+            self._ref, self._obj = None, value
+
+    def get(self):
+        """The object, or ``None`` once a weakly held one is gone."""
+        return self._obj if self._ref is None else self._ref()
+
+    def holds(self, now):
+        """``now`` is the object (never true once the object is gone)."""
+        obj = self._obj if self._ref is None else self._ref()
+        return obj is now and obj is not None
+
+    def __eq__(self, other):
+        return isinstance(other, Same) and self.holds(other.get())
+
+    __hash__ = None
+
+    def __repr__(self):
+        obj = self.get()
+        return f"Same({'<gone>' if obj is None else type(obj).__name__})"
 
 
 def symbolic_attr(it, obj, attr, node):

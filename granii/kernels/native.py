@@ -21,8 +21,10 @@ use (an inference never builds it), with the two degree vectors swapped; gradien
 edge values (``dw_e = <dY[v], X[u]>``, a native SDDMM in edge order), ``bias`` and the degree
 vectors. Edge values are given in DGL edge-id order (``Values`` puts them in CSR order).
 
-If the extension is not built (no compiler at install), importing this module says so once and
-registers nothing: the other implementations are used.
+If the extension is not built (no compiler at install), or was built from other sources than
+``csrc/`` now holds (a stale build, found by the sources' hash compiled into the library, before
+it is loaded), importing this module says so once, with how to rebuild, and registers nothing:
+the other implementations are used.
 """
 import hashlib
 import warnings
@@ -34,6 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from granii.kernels.registry import register
+try:                             # where the build for the running torch lives (setup.py)
+    from granii.kernels import extension
+except ImportError:
+    extension = None
 from granii.kernels import spmm as _spmm
 
 _INT32_MAX = 2**31 - 1
@@ -68,20 +74,68 @@ def built_sha(mod):
     return built[1:] if built else None
 
 
-def _load():
-    """``(module or None, reason)``: import the extension; warn once if it is missing or stale."""
+def library_sha_matches(lib, here):
+    """Whether the built library ``lib`` was compiled from sources of hash ``here``, read from
+    its bytes without loading it (``setup.py`` compiles the hash in as the string ``h<hex>``)."""
     try:
-        import granii._native as mod
+        return b"h" + here.encode() + b"\0" in Path(lib).read_bytes()
+    except OSError:
+        return False
+
+
+def library():
+    """The file of the built extension this environment loads, or ``None`` when there is none:
+    the build for the running torch (``extension.path()``), or ``granii/_native*.so``."""
+    if extension is not None:
+        lib = extension.path()
+        return lib if lib.is_file() else None
+    return next(iter(sorted(ROOT.joinpath("granii").glob("_native*.so"))), None)
+
+
+def _import():
+    if extension is not None:
+        return extension.load()
+    import granii._native as mod
+    return mod
+
+
+def _stale(here, lib):
+    """Whether the library ``lib`` is older than a source of ``csrc/`` or ``setup.py`` and was
+    built from other sources than they hold now. (A library newer than every source is checked
+    once loaded, by the hash it carries.)"""
+    if here is None or lib is None:
+        return False
+    newest = max(p.stat().st_mtime for p in [ROOT / "setup.py", *CSRC.glob("*")]
+                 if p.suffix in (".cpp", ".h", ".py"))
+    return lib.stat().st_mtime < newest and not library_sha_matches(lib, here)
+
+
+def _refuse(reason):
+    warnings.warn(reason, NativeKernelsUnavailable, stacklevel=3)
+    return None, reason
+
+
+def _load():
+    """``(module or None, reason)``: import the extension; a missing one, or one built from other
+    sources than ``csrc/`` holds now (a stale build: its kernels may not be the ones the Python
+    side calls), is not used, with one warning that says how to build it."""
+    rebuild = "rebuild them with: bash scripts/env.sh (needs a C++ compiler)"
+    here, lib = sources_sha(), library()
+    if _stale(here, lib):           # refused before loading: its operators stay unregistered
+        return _refuse(f"granii: the native kernels in {lib.name} were built from other "
+                       f"sources than granii/kernels/csrc/ now holds, so they are not used "
+                       f"(granii runs its DGL/torch kernels); {rebuild}")
+    try:
+        mod = _import()
     except ImportError as e:
-        reason = (f"granii: native kernels unavailable ({e}); using the DGL/torch implementations. "
-                  f"Build them with: bash scripts/env.sh (needs a C++ compiler)")
-        warnings.warn(reason, NativeKernelsUnavailable, stacklevel=3)
-        return None, reason
-    built, here = built_sha(mod), sources_sha()
-    if here is not None and built is not None and built != here:
-        warnings.warn(f"granii: the native kernels in {Path(mod.__file__).name} were built from "
-                      f"other sources than granii/kernels/csrc/ now holds; rebuild with: "
-                      f"bash scripts/env.sh", NativeKernelsUnavailable, stacklevel=3)
+        return _refuse(f"granii: native kernels unavailable ({e}); using the DGL/torch "
+                       f"implementations. Build them with: bash scripts/env.sh (needs a C++ "
+                       f"compiler)")
+    built = built_sha(mod)
+    if here is not None and built != here:
+        return _refuse(f"granii: the native kernels in {Path(mod.__file__).name} were built from "
+                       f"other sources than granii/kernels/csrc/ now holds, so they are not "
+                       f"used (granii runs its DGL/torch kernels); {rebuild}")
     return mod, None
 
 

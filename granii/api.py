@@ -15,8 +15,8 @@ import functools
 import inspect
 import json
 import os
+import sys
 
-import dgl
 import torch
 
 from .dispatch import (Dispatcher, Options, Ran, _any_requires_grad, dispatcher_of, inspecting,
@@ -68,7 +68,8 @@ def find_layers(model, graph=None, feats=None, extra_args=(), extra_kwargs=None)
 
 def is_graph(value):
     """A DGL graph (a block too) or a ``dgl.sparse`` matrix."""
-    if isinstance(value, dgl.DGLGraph):
+    dgl = sys.modules.get("dgl")        # without DGL loaded, no DGL graph exists
+    if dgl is not None and isinstance(value, dgl.DGLGraph):
         return True
     cls = type(value)
     return cls.__name__ == "SparseMatrix" and cls.__module__.startswith("dgl.sparse")

@@ -25,7 +25,6 @@ native product runs 1.1-15.6x faster than DGL's, and 1.0-1.2x on 8 long segments
 gradient 1.2-8.3x faster than a GEMM per relation up to k = 64. On a few long segments of a wide
 weight the library's GEMMs are as fast or faster (0.81-1.13x): there the loop stays.
 """
-import dgl
 import torch
 
 from granii.kernels import native
@@ -152,6 +151,7 @@ def native_wgrad_routed(rows, k_in, k_out, segments):
 def _segment_mm(x, w, seglen):
     if NATIVE and x.dtype in (torch.float32, torch.float64):
         return torch.ops.granii.segment_mm(x, w, seglen)
+    import dgl
     return dgl.ops.segment_mm(x, w, seglen)
 
 

@@ -14,7 +14,6 @@ import pickle
 import warnings
 from pathlib import Path
 
-import dgl
 import numpy as np
 import scipy.sparse as sp
 import torch
@@ -56,6 +55,7 @@ def from_edges(u, v, num_nodes, symmetric=False, self_loops="keep"):
     ``symmetric``: add ``v -> u`` for each ``u -> v``. ``self_loops``: ``"keep"``, ``"remove"``,
     or ``"add"`` (exactly one loop per node). Edges are ordered by ``(src, dst)``.
     """
+    import dgl
     u = np.asarray(u, dtype=np.int64)
     v = np.asarray(v, dtype=np.int64)
     if self_loops not in ("keep", "remove", "add"):

@@ -25,7 +25,6 @@ two, as in real knowledge graphs. ``stats`` reports it.
 Nodes have no features (as in these benchmarks): RGCN learns an embedding per node, and so do
 the benchmark and tests (an ``nn.Embedding`` table as the first layer's input).
 """
-import dgl
 import numpy as np
 import torch
 
@@ -42,6 +41,7 @@ NODE_TYPES = {"aifb": 7, "mutag": 5, "bgs": 27, "am": 7}
 def generate(name, scale=1.0, seed=0, inverse=True, skew=1.1):
     """A ``dgl.heterograph`` with the published counts of ``name`` (times ``scale``: tests use
     small ones). Node types ``t0..``, relations ``r0..`` (and ``r0-inv..``)."""
+    import dgl
     n_ent, n_edge, n_rel = PUBLISHED[name]
     n_ent, n_edge = max(int(n_ent * scale), 20), max(int(n_edge * scale), 40)
     rng = np.random.default_rng(seed)
@@ -73,6 +73,7 @@ def relational(hg, shuffle=False, seed=0):
     """``(g, etypes)``: the homogeneous graph RGCN runs on (``dgl.to_homogeneous``: edges sorted
     by relation, so ``presorted=True`` is valid) and its edge types; ``shuffle`` permutes the
     edges (then only ``presorted=False`` is valid)."""
+    import dgl
     g = dgl.to_homogeneous(hg)
     etypes = g.edata[dgl.ETYPE].long()
     if shuffle:

@@ -7,7 +7,6 @@ features, float edge values (a normalised adjacency) for ``spmm_weighted``, degr
 ``D^-1/2`` for ``sddmm_scale`` and ``spmm_norm``, ``(n, heads, 1)`` attention terms for
 ``sddmm_add`` and ``(E, heads, 1)`` scores for ``edge_softmax``. Same arguments, same values.
 """
-import dgl
 import numpy as np
 import torch
 
@@ -15,6 +14,7 @@ import torch
 def make_graph(u, v, num_nodes, undirected=False, remove_self_loops=True, dedupe=True):
     """A DGL graph (int64) on ``num_nodes`` nodes from edge arrays ``u -> v``; ``undirected``
     adds ``v -> u`` for each edge, ``dedupe`` keeps one copy of each (ordered by ``(src, dst)``)."""
+    import dgl
     u = np.asarray(u, dtype=np.int64)
     v = np.asarray(v, dtype=np.int64)
     if undirected:

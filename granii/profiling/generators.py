@@ -14,7 +14,6 @@ name alone, so a profiling run can be resumed or a single point reproduced.
 import math
 from functools import partial
 
-import dgl
 import numpy as np
 import torch
 
@@ -225,6 +224,7 @@ def sample_subgraph(g, fraction=None, num_seeds=None, fanout=None, seed=0, block
     seeds followed by the new neighbours, as ``dgl.to_block`` lays them out. The ids of the
     sampled nodes in ``g`` are in ``ndata[dgl.NID]`` (``srcdata``/``dstdata`` for a block).
     """
+    import dgl
     n = g.num_nodes()
     rng = np.random.default_rng(seed)
     k = num_seeds if num_seeds is not None else int(round(fraction * n))

@@ -39,7 +39,9 @@ from typing import NamedTuple
 import torch
 import torch.utils.checkpoint
 
-from .enumerate import TooManyTrees, binary_orders, layer_forest
+from .enumerate import (TooManyTrees, binary_orders, budget_seconds, enumerate_layer,
+                        layer_forest)
+from .enumerate import clock as enum_clock
 from .fuse import fused_variants
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .frontend.rules import Same, config_summary
@@ -61,6 +63,7 @@ class Compiled:
     n_promoted: int = 0                              # plans that survived pruning
     n_orders: int = 0                                # binary association orders in all
     symbols: dict = field(default_factory=dict)      # shapes of a call -> (symbols, sorted)
+    note: str = ""                                   # what bounded enumeration (``explain``)
     views: dict = field(default_factory=dict)        # variable -> (weight, key, view) no grad
 
 
@@ -1278,16 +1281,23 @@ def compile_layer(module, present, is_block, real=None):
         if len(_ENUMERATED) >= _ENUMERATED_MAX:
             _ENUMERATED.pop(next(iter(_ENUMERATED)))
         _ENUMERATED[key] = done
-    n_trees, plans, n_promoted, n_orders = done
+    n_trees, plans, n_promoted, n_orders, note = done
     leaves = {v: l for plan in plans for v, l in plan.leaves.items()}
-    return Compiled(lir, n_trees, list(plans), leaves, n_promoted, n_orders)
+    return Compiled(lir, n_trees, list(plans), leaves, n_promoted, n_orders, note)
 
 
 def _enumerate(lir, name):
     """``(trees enumerated, promoted plans then their fused variants, plans promoted, binary
-    orders)`` of a layer's IR, or the exception that stopped it."""
+    orders, note)`` of a layer's IR, or the exception that stopped it.
+
+    Enumeration, pruning and lowering share one budget (``enumerate.budget_seconds()``); when
+    enumeration spends it, the layer is associated as written and ``note`` says so (``explain``
+    prints it): a decision never waits on a search."""
+    budget = budget_seconds()
+    start = enum_clock()
     try:
-        forest, n_trees = layer_forest(lir.root)
+        found = enumerate_layer(lir.root, deadline=start + budget if budget > 0 else None)
+        forest = found.forest
         kept = prune([tree_calls(root, choice) for root, choice in forest])
         promoted = [fuse_gemm_add(lower(i, *forest[t], scenarios, heads=lir.heads))
                     for i, (t, scenarios) in enumerate(sorted(kept.items()))]
@@ -1303,7 +1313,12 @@ def _enumerate(lir, name):
         promoted += [f for plan in promoted for f in fused_variants(plan)]
     except Exception as e:       # noqa: BLE001 - the unfused plans still hold
         warnings.warn(f"granii: fusing the plans of {name} failed ({e})")
-    return n_trees, tuple(promoted), n_promoted, binary_orders(lir.root)
+    note = ""
+    if found.budget_hit:
+        note = (f"decision budget of {budget:g} CPU s spent after {found.n_forms} sub-expressions: "
+                f"the layer is associated as written ({len(forest)} trees); "
+                "GRANII_DECISION_BUDGET (seconds) allows more")
+    return found.n_trees, tuple(promoted), n_promoted, binary_orders(lir.root), note
 
 
 def every_plan(compiled):
@@ -1311,7 +1326,7 @@ def every_plan(compiled):
     ``p<i>``), with their fused variants: for measuring what pruning removed. The promoted plans
     come first, as in ``compiled.plans``."""
     lir = compiled.layer_ir
-    forest, _ = layer_forest(lir.root)
+    forest, _ = layer_forest(lir.root, exhaustive=True)
     seen = {(p.composition(), str(p.choice)) for p in compiled.plans}
     extra = []
     for i, (root, choice) in enumerate(forest):

@@ -28,6 +28,7 @@ flattened, so ``(D A) D``, ``D (A D)`` and the three-operand ``D A D`` are one t
 """
 import itertools
 import math
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -178,69 +179,492 @@ def products(root):
     return found
 
 
-TREE_LIMIT = 100_000
-LONG_PRODUCT = 14
-COMBINE_LIMIT = 100
+# -- the layer's forest: forms and trees of every sub-expression, once each ---------------------
+PRUNE_AT = 8          # a sub-expression with more candidates keeps only the undominated ones
+FRONTIER = 8          # ... and at most this many of those (fewest calls at an embedding width first)
+BUDGET_S = 0.5        # seconds one layer's enumeration, pruning and lowering may take
+COMBINE_LIMIT = 100   # kept for callers that combine trees of products themselves (``_combine``)
 PARTIAL_LIMIT = 30
 
 
-def layer_forest(root):
-    """Every way to associate every product in every split, distributed or factored form of the
-    layer.
+def clock():
+    """The clock budgets are counted on: CPU seconds of the calling thread. Enumeration is
+    single-threaded Python, so this is its wall time on an idle machine, and on a loaded one
+    (other processes on the cores) the decision stays the same instead of shrinking."""
+    return time.thread_time()
 
-    Returns ``(forest, n_enumerated)``: ``forest`` a list of ``(ir_root, {MatMul: tree})``, the
-    IR variant and one tree per product in it; ``n_enumerated`` counts every combination.
-    When a variant has more than ``COMBINE_LIMIT`` combinations (TAGConv with 3 hops has 16,754
-    in all), the trees dominated in both size scenarios are dropped (``prune``'s rule), first
-    those of each product, then while the products are combined one at a time, those of the
-    partial combinations (on their distinct calls: a sub-result shared by two products counts
-    once). A layer with more than ``TREE_LIMIT`` trees in all (TAGConv with 4 hops has two
-    million) is associated only as written (TAGConv: the stacked hops, each hop's product in
-    every way), not in its split, distributed and factored forms; so is a layer with a product
-    of more than ``LONG_PRODUCT`` factors (TAGConv with 5 hops or more), whose forms alone take
-    long to list. If the layer as written has more trees, it raises ``TooManyTrees``: pruning
-    them would take longer than the layer saves.
+
+def budget_seconds():
+    """The decision budget of one layer: ``GRANII_DECISION_BUDGET`` (seconds) if set, else
+    ``BUDGET_S``; ``0`` or less means no budget."""
+    import os
+    text = os.environ.get("GRANII_DECISION_BUDGET", "").strip()
+    try:
+        return float(text) if text else BUDGET_S
+    except ValueError:
+        return BUDGET_S
+
+
+@dataclass
+class Forest:
+    """What ``enumerate_layer`` found.
+
+    ``forest``: ``[(ir_root, {MatMul: tree})]``, the layer trees to prune and lower;
+    ``n_trees``: association trees enumerated (a product's tree counts once per distinct form of
+    that product); ``n_forms``: distinct sub-expressions enumerated; ``n_candidates``: (form,
+    trees) candidates made over all sub-expressions, before any was dropped; ``budget_hit``:
+    the budget ran out (``forest`` then holds what was found, always the layer as written)."""
+    forest: list
+    n_trees: int
+    n_forms: int
+    n_candidates: int
+    budget_hit: bool = False
+    seconds: float = 0.0
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class _Cand:
+    """A way to compute one sub-expression: an equal IR ``form`` and a tree for each product in
+    it (``choice``: ``((MatMul, tree), ...)``)."""
+    form: object
+    choice: tuple
+    hops: tuple = ()     # ((step, shape), ...): the tree shape chosen for each repeated step
+
+
+def layer_forest(root, deadline=None, exhaustive=False):
+    """``(forest, n_trees)`` of ``enumerate_layer`` (without a budget unless ``deadline``)."""
+    found = enumerate_layer(root, deadline=deadline, exhaustive=exhaustive)
+    return found.forest, found.n_trees
+
+
+def enumerate_layer(root, deadline=None, exhaustive=False):
+    """Every useful form of the layer (split, distributed, factored) with the association trees
+    of its products, as a memoised dynamic programme over the IR's sub-expressions.
+
+    Each sub-expression (a node of the IR, compared by structure, so a node shared by two parents
+    is one entry) gets its list of candidates ``(form, trees)`` once:
+
+      leaf       itself;
+      product    one candidate of each inner operand, flattened (a factored operand ``P (X+Y)``
+                 joins the product), times each association tree of the flat product
+                 (``product_trees``), and, for a sum operand with factors to its right,
+                 ``L (X + Y) R = L X R + L Y R`` (one level: its terms are not distributed
+                 again, see below), and ``cat(X_i) W = sum_i X_i W_i`` for a stacked operand;
+      sum        one candidate of each side, and ``P X + P Y = P (X + Y)`` for the longest common
+                 left factor ``P`` of two product forms (Horner's rule, applied level by level:
+                 TAGConv's ``H W_0 + N (H W_1 + N (H W_2 + ...))``);
+      otherwise  one candidate of each operand.
+
+    Which rewrites are tried is decided by counting the work they can save:
+
+      * ``L (X + Y) = L X + L Y`` (no factor right of the sum) runs every call of ``L`` twice at
+        the same widths: never better, not tried. With factors ``R`` on the right it can move a
+        width-changing product (``W``) inside, ahead of an aggregation (GIN's ``A (H W)``); its
+        terms are not distributed further, since expanding a nested chain ``c_1 P (c_2 P (...)
+        + Y) R`` into its polynomial doubles the calls per level and never wins against the
+        nested form, whose calls grow linearly.
+      * of the factorings of ``P X + P Y`` only the longest common prefix is tried: a shorter
+        cut leaves a common factor in both terms, which flattens to the same product anyway.
+
+    When a sub-expression has more than ``PRUNE_AT`` candidates, those dominated in both
+    size scenarios by another (``prune``'s rule, on their distinct calls) are dropped, and at most
+    ``FRONTIER`` stay (the fewest calls at an embedding width first). So every sub-expression
+    keeps O(1) candidates, each parent combines O(1) candidates per operand, and a product of
+    ``n`` factors has O(n^3) interval merges (``association_trees``) or, when it repeats a step
+    (``product_trees``), O(n) trees: the work is polynomial in the size of the IR. A k-hop
+    propagation (APPNP, SGC, TAGConv) is O(k) sub-expressions with O(k) calls each, O(k^2) in all.
+    ``exhaustive`` keeps every candidate (for tests measuring what pruning removed).
+
+    ``deadline`` (a ``clock()`` value): when passed, the forms enumerated so far
+    are dropped and the layer is associated as written (each product in every way, or, when
+    even that runs out of time, right to left as the source computes it); ``budget_hit`` is set.
     """
-    if max((len(p.args) for p in products(root)), default=0) > LONG_PRODUCT:
-        variants = [root]                   # TAGConv with 5 or more hops: even the forms are many
-    else:
-        variants = [f for c in ir.split_cat_variants(root) for d in ir.distribute_variants(c)
-                    for f in ir.factor_variants(d)]
-    per_variant = []
-    for variant in dict.fromkeys(variants):
-        prods = list(dict.fromkeys(products(variant)))
-        options = [association_trees(p.args) for p in prods]
-        per_variant.append((variant, prods, options, math.prod(len(o) for o in options)))
-    total = sum(n for *_, n in per_variant)
-    if total > TREE_LIMIT:
-        per_variant = [v for v in per_variant if v[0] == root]      # the layer as written
-        if per_variant[0][3] > TREE_LIMIT:
-            raise TooManyTrees(f"{total} association trees: too many to prune at run time "
-                               f"(limit {TREE_LIMIT})")
-    forest = []
-    for variant, prods, options, n in per_variant:
-        large = n > COMBINE_LIMIT
-        if large:
-            options = [_drop_dominated(o) for o in options]
-        forest += [(variant, dict(zip(prods, c)))
-                   for c in _combine(options, PARTIAL_LIMIT if large else math.inf)]
-    return forest, total
+    start = clock()
+    full = _Forms(deadline, exhaustive, rewrite=True)
+    try:
+        cands = full.of(root)
+        hit = False
+    except _OutOfTime:
+        hit, cands = True, None
+    stats = full
+    if cands is None:
+        written = _Forms(None if deadline is None else deadline + 0.25 * (deadline - start),
+                         exhaustive, rewrite=False)
+        try:
+            cands = written.of(root)
+            stats = written
+        except _OutOfTime:
+            cands = (_as_written(root),)
+    forest = [(c.form, _reachable(c.form, dict(c.choice))) for c in cands]
+    return Forest(forest, stats.n_trees, len(stats.memo), stats.n_candidates, hit,
+                  clock() - start)
+
+
+def _as_written(root):
+    """The layer as its source computes it: each product right to left (``X W`` first, then each
+    factor on the left of it), where each merge has a primitive; any tree otherwise."""
+    choice = {}
+    for p in dict.fromkeys(products(root)):
+        x = p.args[-1]
+        for f in reversed(p.args[:-1]):
+            x = merge(f, x) if x is not None else None
+        choice[p] = x if x is not None else association_trees(p.args)[0]
+    return _Cand(root, tuple(choice.items()))
+
+
+def _reachable(form, choice):
+    """``choice`` restricted to the products of ``form`` (a factored operand merged into a
+    larger product leaves its own tree behind)."""
+    return {p: choice[p] for p in dict.fromkeys(products(form))}
+
+
+class _Forms:
+    """The memo of ``enumerate_layer``: sub-expression -> its candidates."""
+
+    def __init__(self, deadline, exhaustive, rewrite):
+        self.deadline = deadline
+        self.exhaustive = exhaustive
+        self.rewrite = rewrite
+        self.memo = {}
+        self.n_trees = 0
+        self.n_candidates = 0
+
+    def tick(self):
+        if self.deadline is not None and clock() > self.deadline:
+            raise _OutOfTime()
+
+    def of(self, node, distribute=True):
+        key = (node, distribute)
+        found = self.memo.get(key)
+        if found is not None:
+            return found
+        self.tick()
+        if isinstance(node, ir.Leaf):
+            cands = [_Cand(node, ())]
+        elif isinstance(node, ir.MatMul):
+            cands = self.product(node, distribute)
+        elif isinstance(node, ir.Add):
+            cands = self.sum(node)
+        else:
+            cands = self.combined(node, ir.children(node),
+                                  lambda forms: ir.with_children(node, list(forms)))
+        self.n_candidates += len(cands)
+        found = self.frontier(cands)
+        self.memo[key] = found
+        return found
+
+    def combined(self, node, operands, build, distribute=True):
+        """One candidate of each operand in every way (undominated partial choices, as in
+        ``_combine``), each built into a form by ``build(forms)``."""
+        partial = [_Cand((), (), ())]
+        for x in operands:
+            options = self.of(x, distribute)
+            both = [(p, c) for p in partial for c in options if _agree(p.hops, c.hops)]
+            if not both:        # no pair chose alike: keep every pair (never an empty list)
+                both = [(p, c) for p in partial for c in options]
+            partial = [_Cand(p.form + (c.form,), p.choice + c.choice, _join(p.hops, c.hops))
+                       for p, c in both]
+            partial = self.frontier(partial, as_tuple=True)
+        return [_Cand(build(p.form), p.choice, p.hops) for p in partial]
+
+    def product(self, node, distribute):
+        out = []
+        for cand in self.combined(node, node.args, lambda forms: ir.matmul(*forms)):
+            flat = cand.form
+            if not isinstance(flat, ir.MatMul):
+                out.append(cand)
+                continue
+            step = _step_of(flat)
+            chosen = dict(cand.hops)
+            for t, hop in self.trees(flat.args):
+                if hop is None and step is not None:
+                    hop = (step, _shape(t))
+                if hop is not None and chosen.get(hop[0], hop[1]) != hop[1]:
+                    continue            # this step is associated otherwise elsewhere
+                hops = cand.hops if hop is None or hop[0] in chosen else cand.hops + (hop,)
+                route = _route(steps(t))
+                if route is not None and chosen.get(_ROUTE, route) != route:
+                    continue
+                if route is not None and _ROUTE not in chosen:
+                    hops += ((_ROUTE, route),)
+                out.append(_Cand(flat, cand.choice + ((flat, t),), hops))
+            self.tick()
+        if not self.rewrite:
+            return out
+        args = node.args
+        for i, a in enumerate(args):
+            if distribute and i < len(args) - 1 and isinstance(a, ir.Add) and \
+                    a.a.rows != "1" and a.b.rows != "1":
+                left, right = args[:i], args[i + 1:]
+                terms = (ir.matmul(*left, a.a, *right), ir.matmul(*left, a.b, *right))
+                out += self.combined(None, terms, lambda forms: ir.Add(*forms), distribute=False)
+        split = ir.split_cat(node)
+        if split is not None:
+            out += self.of(split)
+        return out
+
+    def sum(self, node):
+        out = self.combined(node, (node.a, node.b), lambda forms: ir.Add(*forms))
+        if not self.rewrite:
+            return out
+        pairs = dict.fromkeys((c.form.a, c.form.b) for c in out)
+        for a, b in pairs:
+            factored = ir.factor_common_prefix(a, b)
+            if factored is not None:
+                out += self.of(factored)
+        return out
+
+    def trees(self, factors):
+        found = _trees_and_steps(tuple(factors))
+        self.n_trees += len(found)
+        return found
+
+    def frontier(self, cands, as_tuple=False):
+        """``cands`` without duplicates; above ``PRUNE_AT``, only the undominated ones, at most
+        ``FRONTIER``."""
+        cands = list(dict.fromkeys(cands))
+        if self.exhaustive or len(cands) <= PRUNE_AT:
+            return cands
+        from .prune import SCENARIOS, Calls, signature, survivors
+        calls, mixed = [], []
+        for c in cands:
+            forms = c.form if as_tuple else (c.form,)
+            seen = _computed(forms, dict(c.choice))
+            calls.append(Calls.of(s for s in map(signature, seen) if s is not None))
+            mixed.append(_mixed(seen))
+        self.tick()
+        if not all(mixed):
+            cands = [c for c, m in zip(cands, mixed) if not m]
+            calls = [c for c, m in zip(calls, mixed) if not m]
+        first = {}
+        for i in sorted(range(len(cands)), key=lambda i: (len(calls[i].sigs), i)):
+            first.setdefault(tuple(sorted(calls[i].sigs)), i)
+        uniq = sorted(first.values())
+        sub = [calls[i] for i in uniq]
+        keep = set().union(*(survivors(sub, sc) for sc in SCENARIOS))
+        kept = [uniq[j] for j in sorted(keep)]
+        if len(kept) > FRONTIER:
+            kept = sorted(kept, key=lambda i: (_wide(calls[i]), len(calls[i].sigs), i))[:FRONTIER]
+        self.tick()
+        return [cands[i] for i in sorted(kept)]
+
+
+def _agree(a, b):
+    """Two candidates chose the same shape for every repeated step both use."""
+    if not a or not b:
+        return True
+    have = dict(a)
+    return all(have.get(k, v) == v for k, v in b)
+
+
+def _join(a, b):
+    """The repeated steps' shapes of two operands together (the first one's where both chose)."""
+    if not b:
+        return a
+    have = dict(a)
+    return a + tuple((k, v) for k, v in b if k not in have)
+
+
+def _step_of(prod):
+    """The step a product applies to a computed operand: its factors with each operand that is
+    not a leaf replaced by that operand's shape, or ``None`` when every factor is a leaf.
+
+    APPNP's hop ``c (D A D h_i) + a h_0`` applies the step ``D A D []`` to each level's result:
+    a tree shape chosen for the step at one level is used at every level (``_Forms.product``).
+    Each hop costs the same at a width whatever the others do, and a once-per-graph value one
+    hop computes (``D A D`` as edge values) serves them all, so mixed choices are never better,
+    and the candidates stay O(trees of one step) instead of growing with the number of levels."""
+    if all(isinstance(a, ir.Leaf) for a in prod.args) or not _propagates(prod.args):
+        return None
+    return tuple(a if isinstance(a, ir.Leaf) else _HOLE_KEY for a in prod.args)
+
+
+_HOLE_KEY = ("[]",)
+
+
+def _propagates(factors):
+    """A product with a sparse leaf of the graph (``A``, a degree power): a propagation step."""
+    return any(isinstance(f, ir.Leaf) and f.kind == ir.SPARSE and f.sub != ir.SCALAR
+               for f in factors)
+
+
+def _shape(tree):
+    """``tree`` with its computed (non-leaf) operands forgotten: how it associates the step."""
+    if isinstance(tree, Node):
+        return (tree.prim,) + tuple(_shape(p) for p in tree.parts)
+    return tree if isinstance(tree, ir.Leaf) else _HOLE_KEY
+
+
+def _wide(calls):
+    """Calls at an embedding width (what grows with ``k``): the work a candidate is ranked by
+    when more than ``FRONTIER`` are undominated."""
+    return sum(1 for _, _, dims in calls.needed if any(d.startswith("k") for d in dims))
+
+
+def tree_calls(root, choice, many=False):
+    """The signatures of the priced calls ``plan.lower(i, root, choice)`` makes, each distinct
+    sub-result once, without lowering: what pruning compares. ``many``: ``root`` is a tuple of
+    roots computed together (their shared sub-results once)."""
+    from .prune import signature
+    seen = _computed(root if many else (root,), choice)
+    return [s for s in map(signature, seen) if s is not None]
+
+
+_ROUTE = ("normalisation",)
+
+
+def _route(computed):
+    """``"edges"`` when the adjacency is used as degree-scaled edge values (``sddmm_scale``),
+    ``"rows"`` when as the plain pattern between row scalings (``spmm``), ``"both"``, or
+    ``None`` (no adjacency of the graph used)."""
+    plain = weighted = False
+    for n in computed:
+        if isinstance(n, Node):
+            if n.prim == "spmm" and isinstance(n.parts[0], ir.Leaf):
+                plain = True
+            elif n.prim == "sddmm_scale" and any(
+                    isinstance(p, ir.Leaf) and p.source == ("graph",) for p in n.parts):
+                weighted = True
+    if plain and weighted:
+        return "both"
+    return "rows" if plain else "edges" if weighted else None
+
+
+def _mixed(computed):
+    """The same adjacency is used both as edge values scaled by degrees (``sddmm_scale``, once
+    per graph, then weighted SpMMs) and as the plain pattern between row scalings (``spmm``).
+
+    Choosing the normalisation once per layer: each hop costs what its route costs at its
+    width, the edge values are made once for every hop that uses them, so a candidate using
+    both routes costs at least what the cheaper route costs used everywhere (both also fuse to
+    the same ``spmm_norm``). ``frontier`` drops such candidates when a candidate using one
+    route remains."""
+    return _route(computed) == "both"
+
+
+def _computed(roots, choice):
+    """The distinct computed sub-results (``Node``s and IR inner nodes) of ``roots`` under
+    ``choice``, in the order ``plan.lower`` visits them."""
+    seen = {}
+
+    def visit(n):
+        if isinstance(n, ir.MatMul):
+            visit(choice[n])
+        elif not isinstance(n, ir.Leaf) and n not in seen:
+            seen[n] = None
+            for c in (n.parts if isinstance(n, Node) else ir.children(n)):
+                visit(c)
+    for r in roots:
+        visit(r)
+    return seen
+
+
+def product_trees(factors):
+    """The association trees of ``_trees_and_steps``."""
+    return tuple(t for t, _ in _trees_and_steps(tuple(factors)))
+
+
+@lru_cache(maxsize=1024)
+def _trees_and_steps(factors):
+    """``(tree, (step, shape) or None)``: the association trees of the product of ``factors``
+    that can win, each with the shape it gives a repeated step.
+
+    A product without a repeated step: every tree (``association_trees``). A k-hop
+    propagation ``L B^r Y``, with a step ``B`` of sparse factors (``D A D``, ``A``) repeated
+    ``r >= 2`` times: Each hop costs the same whatever the others do, and a once-per-graph
+    value (``D A D`` as edge values) computed for one hop serves all, so a tree whose hops
+    differ is never better than the one applying the cheapest hop every time: the step's form
+    is chosen once, among the trees of ``B . X`` (``X`` a dense operand), and applied ``r``
+    times. ``Y`` (what the hops run on, e.g. ``H W``) is associated first, or only its first
+    factor, the rest after the hops (``(B^r H) W``: hops at the input width); ``L`` after.
+    That is O(trees(B X) x trees(Y)) trees: linear in ``r``. Long products without a repeated
+    step are associated by ``association_trees`` (O(n^3) merges of pruned intervals).
+    """
+    plain = lambda: tuple((t, None) for t in association_trees(factors))
+    run = _repeated_step(factors)
+    if run is None:
+        return plain()
+    s, width, reps = run
+    prefix, step = factors[:s], factors[s:s + width]
+    rest = factors[s + width * reps:]
+    out = {}
+    heads = [(association_trees(rest) if len(rest) > 1 else rest, ())]
+    if len(rest) > 1:
+        heads.append(((rest[0],), rest[1:]))
+    for ys, after in heads:
+        for y in ys:
+            hole = _Hole(y.rows, y.cols, y.kind, y.sub)
+            for pattern in association_trees(step + (hole,)):
+                x = y
+                for _ in range(reps):
+                    x = _fill(pattern, hole, x)
+                    if x is None:
+                        break
+                if x is None:
+                    continue
+                tail = (x,) + after
+                hop = (step + (_HOLE_KEY,), _shape(pattern))
+                for t in (association_trees(prefix + tail) if len(prefix + tail) > 1 else tail):
+                    out.setdefault(t, hop)
+    return tuple(out.items()) if out else plain()
+
+
+@ir.cached_hash
+@dataclass(frozen=True)
+class _Hole:
+    """The operand a repeated step is applied to, while its trees are enumerated."""
+    rows: str
+    cols: str
+    kind: str
+    sub: str
+    graph_only = False
+
+
+def _fill(tree, hole, value):
+    """``tree`` with ``hole`` replaced by ``value`` (merged again, so primitives follow the
+    value's attributes), or ``None`` when a merge has no primitive."""
+    if tree == hole:
+        return value
+    if not isinstance(tree, Node) or not _contains(tree, hole):
+        return tree
+    parts = [_fill(p, hole, value) for p in tree.parts]
+    if any(p is None for p in parts) or len(parts) != 2:
+        return None
+    return merge(*parts)
+
+
+def _contains(tree, hole):
+    return tree == hole or (isinstance(tree, Node) and any(_contains(p, hole) for p in tree.parts))
+
+
+def _repeated_step(factors):
+    """``(start, width, repeats)`` of the longest run of one step of non-dense factors repeated
+    consecutively (at least twice), most factors covered first; ``None`` if there is none."""
+    n, best = len(factors), None
+    for width in range(1, n // 2 + 1):
+        for s in range(0, n - 2 * width + 1):
+            step = factors[s:s + width]
+            if any(f.kind == ir.DENSE for f in step):
+                continue
+            reps = 1
+            while factors[s + reps * width:s + (reps + 1) * width] == step:
+                reps += 1
+            if reps >= 2 and (best is None or reps * width > best[1] * best[2]):
+                best = (s, width, reps)
+    return best
 
 
 def binary_orders(root):
-    """How many ways there are to parenthesise every product of the layer, in every split,
-    distributed and factored form, before any tree is merged, deduplicated or dropped: the sum
-    over forms of the product over its products of Catalan(n - 1) for n factors. ``layer_forest``
-    enumerates fewer (merged n-ary steps, dominated sub-products of long products dropped early);
-    ``explain`` reports both."""
-    if max((len(p.args) for p in products(root)), default=0) > LONG_PRODUCT:
-        variants = [root]
-    else:
-        variants = [f for c in ir.split_cat_variants(root) for d in ir.distribute_variants(c)
-                    for f in ir.factor_variants(d)]
-    return sum(math.prod(math.comb(2 * (len(p.args) - 1), len(p.args) - 1) // len(p.args)
-                         for p in dict.fromkeys(products(v)))
-               for v in dict.fromkeys(variants))
+    """How many ways there are to parenthesise every product of the layer as written: the
+    product over its products of Catalan(n - 1) for n factors (the size of the search space of
+    Algorithm 1; ``enumerate_layer`` visits polynomially many of them). ``explain`` reports it
+    beside the trees enumerated."""
+    return math.prod(math.comb(2 * (len(p.args) - 1), len(p.args) - 1) // len(p.args)
+                     for p in dict.fromkeys(products(root)))
 
 
 def _combine(options, limit):

@@ -71,6 +71,8 @@ def _explain_layer(st, out):
         p(f"  association trees: {comp.n_trees} enumerated ({comp.n_orders} binary association "
           f"orders in all), {comp.n_trees - n_prom} pruned offline, {n_prom} promoted"
           + (f"; {len(comp.plans) - n_prom} fused variants" if len(comp.plans) > n_prom else ""))
+        if getattr(comp, "note", ""):
+            p(f"  {comp.note}")
         for plan in comp.plans:
             p(f"    [{plan.index}] scenarios {'/'.join(plan.scenarios):<6} {plan.composition()}")
             p(f"        {plan.trees()}")

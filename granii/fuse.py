@@ -9,7 +9,8 @@ unfused sequence, so fusing never removes a choice.
                       spmm_weighted(sddmm_scale(d_dst, 1, d_src), X)    -> spmm_norm(d_dst, d_src, X)
                       (either scale may be absent; ``+ bias``, ``+ R`` (a matrix: SAGE's self term,
                       GIN's (1 + eps) X) and a ReLU that follow are applied as each output row is
-                      written)
+                      written; a constant scale applied to the result first, APPNP's
+                      ``(1 - alpha) * ...``, joins ``d_dst`` as a vector made once per graph)
     shared GEMM       X W_1 [+ b_1], X W_2 [+ b_2]                      -> X [W_1 W_2] [+ [b_1 b_2]], split
                       (one split, so the backward writes [dY_1 dY_2] once instead of zero-filling
                       the packed width for each block)
@@ -24,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from .frontend.udf import leaky_relu_slope
-from .plan import EVERY, Step
+from .plan import EVERY, GRAPH, Step
 
 _RELUS = (torch.relu, torch.nn.functional.relu)
 
@@ -115,6 +116,7 @@ def fuse_normalised_spmm(plan):
     values are the once-per-graph ``d_dst[v] d_src[u]``, as one ``spmm_norm`` step; then the
     adds and the ReLU that follow it as its epilogue (``_epilogue``), when nothing else uses the
     intermediate. A plain SpMM followed by an add becomes an ``spmm_norm`` without scales."""
+    plan = replace(plan, applies=dict(plan.applies))     # _epilogue may add a scaled vector
     by_var = {st.var: st for st in plan.steps}
     uses = _uses(plan)
 
@@ -170,8 +172,9 @@ def _epilogue(plan, steps):
     nothing else reads what they add to: a bias row (a parameter of one row), a residual (a
     dense matrix of the result's shape: SAGE's self term, GIN's ``(1 + eps) X``), then a ReLU.
     Adds commute, so the bias and the residual fold in either order, both before the ReLU.
-    A residual folded into a once-per-input aggregation makes it run on every call: another
-    candidate, priced as such."""
+    A residual computed every call folded into a once-per-input aggregation makes it run on
+    every call: another candidate, priced as such (a once-per-input residual, APPNP's
+    ``alpha h_0`` on features without gradient, keeps it once per input)."""
     while True:
         uses = _uses(replace(plan, steps=steps))
         for st in steps:
@@ -180,6 +183,10 @@ def _epilogue(plan, steps):
             if slots is None or len(users) != 1 or users[0] is None:
                 continue
             user = users[0]
+            scaled = _fold_scale(plan, st, user, steps)
+            if scaled is not None:
+                steps = [x for y in steps if y is not st for x in (scaled if y is user else [y])]
+                break
             args = list(st.args) + [None] * (max(slots.values()) + 1 - len(st.args))
             if "act" in slots and args[slots["act"]] is not None:
                 continue
@@ -191,16 +198,40 @@ def _epilogue(plan, steps):
             while args and args[-1] is None:
                 args.pop()
             # at the user's place: what it adds may be computed after the fused step
-            new = replace(st, var=user.var, args=tuple(args), when=EVERY, key=user.key)
+            new = replace(st, var=user.var, args=tuple(args), when=user.when, key=user.key,
+                          inputs=user.inputs if user.when != EVERY else st.inputs)
             steps = [new if x is user else x for x in steps if x is not st]
             break
         else:
             return steps
 
 
+def _fold_scale(plan, st, user, steps):
+    """``c * spmm_norm(d_dst, d_src, X)`` (a constant scale applied to the result, before any
+    epilogue term: APPNP's ``(1 - alpha) D^-1/2 A D^-1/2 h``) as ``spmm_norm(c d_dst, d_src,
+    X)``: the scale joins the destination degrees, a vector made once per graph, and the pass
+    over the result goes. Returns the two steps (vector, product) or ``None``."""
+    if st.prim != "spmm_norm" or len(st.args) != 3 or st.args[0] is None or \
+            user.prim != "apply":
+        return None
+    ref = plan.applies.get(user.var, ())
+    if ref[:1] != ("scale",) or not isinstance(ref[1], (int, float)):
+        return None
+    d_dst = st.args[0]
+    key = f"{ref[1]!r} * {d_dst}"
+    made = [x for x in steps if x.prim == "apply" and x.when == GRAPH and x.key == key]
+    fused = replace(st, var=user.var, key=user.key)
+    if made:                    # every hop scales by the same vector: made once
+        return [replace(fused, args=(made[0].var,) + st.args[1:])]
+    var = f"{user.var}_d"
+    plan.applies[var] = ref
+    vec = Step(var, "apply", (d_dst,), GRAPH, key)
+    return [vec, replace(fused, args=(var,) + st.args[1:])]
+
+
 def _epilogue_term(plan, st, user):
     """``(slot, argument)`` of what ``user`` does to the result of ``st``, or ``(None, None)``."""
-    if user.when != EVERY:
+    if user.when != EVERY and user.when != st.when:
         return None, None
     if user.prim == "apply":
         ref = plan.applies.get(user.var, ())

@@ -35,8 +35,6 @@ Nodes are immutable and hashable, so equal sub-expressions compare equal (used f
 keys of once-per-graph values). Shapes are symbols: ``N_src``, ``N_dst`` on a block (N_dst <= N_src:
 the destinations are a prefix of the sources), ``N`` for both on a graph, ``k_in``, ``k_out``, ``1``.
 """
-import functools
-import itertools
 from dataclasses import dataclass, field, replace
 
 DENSE, SPARSE = "dense", "sparse"
@@ -215,7 +213,7 @@ class Store(_Inner):
 class Cat(_Inner):
     """``[X_0, X_1, ...]`` concatenated along columns (TAGConv's hop stack), as the left operand of
     a product with a weight ``W``: one GEMM over the stacked width ``k+k+...``, or, after
-    ``split_cat_variants``, the sum ``sum_i X_i W_i`` with ``W_i`` the row blocks of ``W``."""
+    ``split_cat``, the sum ``sum_i X_i W_i`` with ``W_i`` the row blocks of ``W``."""
     parts: tuple
 
     @property
@@ -357,44 +355,16 @@ def describe(node, indent=0):
     return "\n".join(lines)
 
 
-@functools.lru_cache(maxsize=4096)
-def distribute_variants(node):
-    """Every IR equal to ``node`` by distributing products over sums: ``(X + Y) W = X W + Y W``.
-
-    GIN's ``((1 + eps) H + A H) W`` becomes ``(1 + eps) H W + A H W``, where ``H W`` can be shared
-    and the aggregation runs at the output width. Sums with a broadcast row (a bias) stay.
-    """
-    if isinstance(node, Leaf):
-        return (node,)
-    options = [distribute_variants(c) for c in children(node)]
-    out = [with_children(node, list(c)) for c in itertools.product(*options)]
-    if isinstance(node, MatMul):
-        for args in list(itertools.product(*options)):
-            for i, a in enumerate(args):
-                if isinstance(a, Add) and a.a.rows != "1" and a.b.rows != "1":
-                    left, right = args[:i], args[i + 1:]
-                    out += distribute_variants(Add(matmul(*left, a.a, *right),
-                                                   matmul(*left, a.b, *right)))
-    return tuple(dict.fromkeys(out))
-
-
-@functools.lru_cache(maxsize=4096)
-def split_cat_variants(node):
-    """``node`` as written, and with each product of a concatenation by a weight split into the
-    sum of the products of the parts with the weight's row blocks:
+def split_cat(prod):
+    """``prod = (..., cat(X_0, ..., X_m), W, ...)`` as the sum of the products of the parts with
+    the weight's row blocks, or ``None`` when it has no stacked operand times a weight:
 
         cat(X_0, ..., X_m) W  =  X_0 W_0 + (X_1 W_1 + (... + X_m W_m))
 
     The first is one GEMM over the stacked width (DGL's TAGConv; best when the output is wide);
-    the second lets the sums distribute and factor (Horner's rule, best when it is narrow).
+    the second lets the sums factor (Horner's rule, best when it is narrow).
     """
-    if isinstance(node, Leaf):
-        return (node,)
-    options = [split_cat_variants(c) for c in children(node)]
-    out = [with_children(node, list(c)) for c in itertools.product(*options)]
-    if isinstance(node, MatMul):
-        out += [split for v in list(out) for split in [_split_cat(v)] if split is not None]
-    return tuple(dict.fromkeys(out))
+    return _split_cat(prod) if isinstance(prod, MatMul) else None
 
 
 def _split_cat(prod):
@@ -422,26 +392,19 @@ def size_value(sym, symbols):
     return sum(symbols[s] for s in sym.split("+"))
 
 
-@functools.lru_cache(maxsize=4096)
-def factor_variants(node):
-    """Every IR equal to ``node`` by factoring a common left factor out of a sum:
-    ``P X + P Y = P (X + Y)``.
+def factor_common_prefix(a, b):
+    """``P (X + Y)`` for ``a = P X``, ``b = P Y`` with ``P`` their longest common left factor (both
+    ``X`` and ``Y`` non-empty), or ``None`` when they have none.
 
-    TAGConv's ``H W_0 + N H W_1 + N N H W_2`` becomes ``H W_0 + N (H W_1 + N H W_2)`` (Horner's
-    rule): each hop's aggregation then runs once, at the output width.
+    TAGConv's ``N H W_1 + N N H W_2`` becomes ``N (H W_1 + N H W_2)`` (Horner's rule): each
+    hop's aggregation then runs once, at the output width. Only the longest prefix: a shorter
+    cut ``P_1 (P_2 X + P_2 Y)`` computes ``P_2`` twice, and its own factoring is this one.
     """
-    if isinstance(node, Leaf):
-        return (node,)
-    options = [factor_variants(c) for c in children(node)]
-    out = [with_children(node, list(c)) for c in itertools.product(*options)]
-    if isinstance(node, Add):
-        for a, b in itertools.product(*options):
-            fa = a.args if isinstance(a, MatMul) else (a,)
-            fb = b.args if isinstance(b, MatMul) else (b,)
-            n = 0
-            while n < min(len(fa), len(fb)) - 1 and fa[n] == fb[n]:
-                n += 1
-            for cut in range(1, n + 1):
-                rest = Add(matmul(*fa[cut:]), matmul(*fb[cut:]))
-                out += [matmul(*fa[:cut], r) for r in factor_variants(rest)]
-    return tuple(dict.fromkeys(out))
+    fa = a.args if isinstance(a, MatMul) else (a,)
+    fb = b.args if isinstance(b, MatMul) else (b,)
+    n = 0
+    while n < min(len(fa), len(fb)) - 1 and fa[n] == fb[n]:
+        n += 1
+    if n == 0:
+        return None
+    return matmul(*fa[:n], Add(matmul(*fa[n:]), matmul(*fb[n:])))

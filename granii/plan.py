@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import ir, kernels
-from .enumerate import Node, steps as tree_steps
+from .enumerate import Node, steps as tree_steps, tree_calls  # noqa: F401 (re-exported)
 from .prune import signature
 
 EVERY, GRAPH, INPUT = "every call", "once per graph", "once per input"
@@ -60,7 +60,17 @@ class Plan:
         return " -> ".join(s.prim for s in self.steps if s.prim not in INLINE)
 
     def trees(self):
-        return "; ".join(str(t) for t in dict.fromkeys(self.choice.values()))
+        """Each distinct tree once, a computed operand (another product's result, a sum, a
+        function) shown as ``(..)``: a k-hop chain reads as its one step, not k nested copies."""
+        return "; ".join(dict.fromkeys(_short(t) for t in self.choice.values()))
+
+
+def _short(tree):
+    if isinstance(tree, Node):
+        return f"{tree.prim}[{' . '.join(_short(p) for p in tree.parts)}]"
+    if isinstance(tree, ir.Leaf):
+        return str(tree)
+    return "A[..]" if isinstance(tree, ir.SparseEdges) else "(..)"
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,22 +215,6 @@ def _impure_applies(root, choice):
             visit(c)
     visit(root)
     return found
-
-
-def tree_calls(root, choice):
-    """The signatures of the priced calls ``lower(i, root, choice)`` makes, each distinct
-    sub-result once, without lowering: what pruning compares."""
-    seen = {}
-
-    def visit(n):
-        if isinstance(n, ir.MatMul):
-            visit(choice[n])
-        elif not isinstance(n, ir.Leaf) and n not in seen:
-            seen[n] = None
-            for c in (n.parts if isinstance(n, Node) else ir.children(n)):
-                visit(c)
-    visit(root)
-    return [s for s in map(signature, seen) if s is not None]
 
 
 def _inputs(leaf_set):

@@ -96,8 +96,14 @@ class Calls:
     @classmethod
     def of(cls, sigs):
         sigs = tuple(sigs)
-        needed = tuple(s for s in sigs if not (s[1] and not any(d.startswith("k") for d in s[2])))
+        needed = tuple(s for s in sigs if _needs_match(s))
         return cls(sigs, _counts(sigs), needed, _counts(needed))
+
+
+@functools.lru_cache(maxsize=None)
+def _needs_match(sig):
+    """Not a once-per-graph call on vectors (sizes without an embedding width)."""
+    return not (sig[1] and not any(d.startswith("k") for d in sig[2]))
 
 
 def covered_by(small, big, scenario):
@@ -116,22 +122,54 @@ def covered_by(small, big, scenario):
 
 def _matching(small, big, scenario):
     """Size of a maximum matching of ``small``'s calls to distinct ``big`` calls of the same
-    primitive and no larger sizes (augmenting paths, Kuhn: polynomial where backtracking over
-    the assignments is exponential on the long hop chains of TAGConv)."""
-    fits = [[j for j, (q, once_q, dims_q) in enumerate(big)
+    primitive and no larger sizes.
+
+    Calls with the same signature are interchangeable, so this is a flow between the distinct
+    signatures (capacities: how many calls have each) found by augmenting paths: polynomial in
+    the number of distinct signatures, where a matching call by call (Kuhn) costs the square of
+    the calls, and backtracking over the assignments is exponential (the long hop chains of
+    TAGConv, APPNP: ten spmm calls of one signature are one node of capacity ten)."""
+    need, have = _counts_of(small), _counts_of(big)
+    kinds, slots = list(need), list(have)
+    cap = [have[t] for t in slots]
+    fits = [[j for j, (q, once_q, dims_q) in enumerate(slots)
              if p == q and once == once_q and dims_le(dims, dims_q, scenario)]
-            for p, once, dims in small]
-    owner = {}
+            for p, once, dims in kinds]
+    used = [0] * len(slots)
+    flow = [dict() for _ in kinds]      # flow[i][j]: calls of kinds[i] matched to slots[j]
 
     def augment(i, seen):
         for j in fits[i]:
-            if j not in seen:
-                seen.add(j)
-                if j not in owner or augment(owner[j], seen):
-                    owner[j] = i
-                    return True
+            if j in seen:
+                continue
+            seen.add(j)
+            if used[j] < cap[j]:
+                used[j] += 1
+            else:
+                for i2 in range(len(kinds)):
+                    if flow[i2].get(j) and augment(i2, seen):
+                        flow[i2][j] -= 1
+                        break
+                else:
+                    continue
+            flow[i][j] = flow[i].get(j, 0) + 1
+            return True
         return False
-    return sum(augment(i, set()) for i in range(len(small)))
+
+    total = 0
+    for i, kind in enumerate(kinds):
+        for _ in range(need[kind]):
+            if not augment(i, set()):
+                break
+            total += 1
+    return total
+
+
+def _counts_of(sigs):
+    out = {}
+    for s in sigs:
+        out[s] = out.get(s, 0) + 1
+    return out
 
 
 def survivors(sigs, scenario):

@@ -54,25 +54,26 @@ def _equivalent_survivors(plans, others):
                for p in plans for sc in p.scenarios)
 
 
-def test_early_pruning_of_tagconv_with_three_hops_keeps_every_survivor(monkeypatch):
-    """TAGConv(k=3) has 16,754 trees. Pruning each product, and each partial combination of
-    products, before lowering must promote the same compositions as pruning them all (up to
-    which of two equivalent trees stands for both)."""
+def test_early_pruning_of_tagconv_with_three_hops_keeps_every_survivor():
+    """Pruning each sub-expression's candidates as they are enumerated (``enumerate_layer``)
+    must promote the same compositions as enumerating every candidate and pruning them all at
+    the end (up to which of two equivalent trees stands for both)."""
     root = lower_layer(TAGConv(4, 3, k=3)).root
-    early, n = en.layer_forest(root)
-    monkeypatch.setattr(en, "COMBINE_LIMIT", float("inf"))
-    full, n_full = en.layer_forest(root)
-    assert n == n_full == len(full) == 16754 and len(early) < len(full) / 10
-    a, b = (promoted_plans(f) for f in (early, full))
+    early = en.enumerate_layer(root)
+    full = en.enumerate_layer(root, exhaustive=True)
+    assert len(early.forest) < len(full.forest) / 10 and early.n_trees < full.n_trees
+    a, b = (promoted_plans(f.forest) for f in (early, full))
     assert len(a) == len(b) and _equivalent_survivors(a, b) and _equivalent_survivors(b, a)
 
 
-def test_tagconv_with_four_hops_is_associated_as_written():
-    """Four hops have two million trees over all split, distributed and factored forms: only the
-    stacked form as written is associated (each hop's product in every way)."""
+def test_tagconv_with_four_hops_has_its_split_and_factored_forms():
+    """Four hops used to be associated as written only (two million trees over all forms):
+    now the stacked, split and factored (Horner) forms are all enumerated, each with the
+    normalisation chosen once for every hop."""
     root = lower_layer(TAGConv(4, 3, k=4)).root
     forest, n = en.layer_forest(root)
-    assert n == 2124472 and forest and all(r == root for r, _ in forest)
+    from test_khop import tagconv_forms
+    assert tagconv_forms(promoted_plans(forest), 4) == {"stacked", "split", "horner"}
     assert isinstance(root.a.args[0], ir.Cat)          # cat(H, N H, ...) W + bias
 
 
@@ -87,8 +88,21 @@ def test_tagconv_concatenation_is_a_candidate_for_wide_outputs():
     gemms = [s.sig[2] for p in stacked for s in p.steps if s.prim == "gemm"]
     assert ("N", "k_in+k_in+k_in", "k_out") in gemms
     assert any(p.composition().count("gemm") == 3 for p in plans)     # split: one per hop
-    assert (n, len(plans)) == (178, 14)
+    # {stacked, split, Horner} x {degree-scaled edge values, row scalings around the SpMM}
+    assert (n, len(plans)) == (60, 6)
 
+
+def test_mixed_normalisations_are_dropped_and_hops_choose_one_form():
+    """A candidate normalising one hop by edge values and another by row scalings is never
+    better than the cheaper route used by both; APPNP's ten hops keep two candidates (one per
+    route), not one per mix."""
+    from dgl.nn import APPNPConv
+    found = en.enumerate_layer(lower_layer(APPNPConv(10, 0.1)).root)
+    routes = []
+    for root, choice in found.forest:
+        seen = en._computed((root,), choice)
+        routes.append(en._route(seen))
+    assert sorted(routes) == ["edges", "rows"]
 
 
 def test_a_bias_added_after_the_aggregation_is_priced_as_a_pass():

@@ -30,7 +30,7 @@ EVERY, GRAPH, INPUT = "every call", "once per graph", "once per input"
 # written out in the generated code
 INLINE = ("add", "cat", "apply", "store", "row_slice", "edge_scale", "alias", "edge_mask",
           "gemm_pack", "columns")
-COMPUTED = ("degree", "scalar", "headdiag")   # leaves the generated code computes itself
+COMPUTED = ("degree", "scalar", "headdiag", "wdegree")   # leaves the generated code computes
 
 
 @dataclass
@@ -82,6 +82,9 @@ def leaf_var(leaf):
     if leaf.source[0] == "degree":
         _, side, p, _, shift = leaf.source
         return _ident(f"D_{side}_p{p:g}" + (f"_s{shift:g}" if shift else ""))
+    if leaf.source[0] == "wdegree":
+        _, side, p, _, _ = leaf.source
+        return _ident(f"Dw_{side}_p{p:g}")
     if leaf.source[0] in ("scalar", "headdiag"):
         return _ident(f"{leaf.source[0]}_{leaf.source[1]}")
     if leaf.source[0] in ("arg", "edge", "arg_dst"):
@@ -218,7 +221,13 @@ def _impure_applies(root, choice):
 
 
 def _inputs(leaf_set):
-    return tuple(sorted({leaf_var(l) for l in leaf_set if l.source[0] in ("arg", "edge")}))
+    """The arguments a once-per-input result reads (a weighted degree reads its edge values)."""
+    return tuple(sorted({leaf_var(l) for l in leaf_set if l.source[0] in ("arg", "edge")} |
+                        {_edge_var(l.source[4]) for l in leaf_set if l.source[0] == "wdegree"}))
+
+
+def _edge_var(arg):
+    return _ident(arg.replace(":", "_"))
 
 
 # what an impure function (a module call, dropout, anything unknown) adds to the leaves of a
@@ -264,6 +273,10 @@ def plan_code(plan, impls, name="plan"):
             lines.append(f"    {var} = scalar(module, {attr!r}, {offset!r}, {factor!r})")
         elif leaf.source[0] == "headdiag":
             lines.append(f"    {var} = head_diag(module, {leaf.source[1]!r})")
+        elif leaf.source[0] == "wdegree":
+            _, side, p, eps, arg = leaf.source
+            lines.append(f"    {var} = weighted_degree_power(gi, {_edge_var(arg)}, {side!r}, "
+                         f"{p!r}, {eps!r})")
     impl_of = {s.var: impl for s, impl in zip(plan.steps, impls)}
     by_var = {s.var: s for s in plan.steps}
     inner = _inner_input_steps(plan)
@@ -485,6 +498,27 @@ def degree_power(gi, side, power, clamp, shift=0.0):
     return gi.memo(("degree", side, power, clamp, shift), make)
 
 
+def weighted_degree_power(gi, w, side, power, eps):
+    """``(d + eps)^power`` of the weighted degrees: the sums of the edge values ``w`` into each
+    destination (``"in"``) or out of each source (``"out"``), as DGL's ``EdgeWeightNorm("both")``
+    computes them, with its errors for weights that are not one scalar per edge or not positive.
+    A node without edges on that side (``d + eps = 0``) gets 0, not DGL's infinity: its value
+    scales no edge, and 0 keeps a row scaling of the empty row (and its gradient) at 0."""
+    from dgl import DGLError
+    if w.dim() > 1:
+        raise DGLError("Currently the normalization is only defined on scalar edge weight. "
+                       "Please customize the normalization for your high-dimensional weights.")
+    if bool((w <= 0).any()):
+        raise DGLError('Non-positive edge weight detected with `norm="both"`. '
+                       "This leads to square root of zero or negative values.")
+    src, dst = gi.edges()
+    ids, n = (dst, gi.num_dst) if side == "in" else (src, gi.num_src)
+    d = torch.zeros(n, dtype=w.dtype).index_add_(0, ids, w.detach() if not w.requires_grad
+                                                 else w) + eps
+    out = torch.pow(d, power)
+    return torch.where(d == 0, torch.zeros_like(out), out)
+
+
 def once_per_graph(gi, key, compute):
     """``compute()`` once per graph: its value depends on the graph alone."""
     if torch.is_grad_enabled():
@@ -588,6 +622,7 @@ def diag_mul_torch(a, b):
 
 
 RUNTIME = {"torch": torch, "degree_power": degree_power, "once_per_graph": once_per_graph,
+           "weighted_degree_power": weighted_degree_power,
            "once_per_input": once_per_input, "diag_mul_torch": diag_mul_torch, "store": store,
            "scalar": scalar, "is_one": is_one, "head_diag": head_diag, "by_heads": by_heads,
            "gat_heads": gat_heads, "edge_ones": edge_ones, "gemm_pack": gemm_pack}

@@ -22,7 +22,7 @@ import granii
 from granii import enumerate as en
 from granii.dispatch import compile_layer, layer_states
 from granii.frontend import lower_layer
-from graphs import directed, edge_weights, undirected
+from graphs import directed, edge_weights, undirected, zero_in_degree
 from plan_check import check_all_plans, grads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -224,9 +224,8 @@ DGL_CASES = _dgl_homo_cases()
 @pytest.mark.parametrize("e_weight", [False, True], ids=["plain", "e_weight"])
 def test_dgl_appnp_conv_cases(case, idtype, e_weight, tmp_path):
     """DGL's ``test_appnp_conv`` and ``test_appnp_conv_e_weight``: APPNPConv(10, 0.1) on 5
-    features (edge weights of ones), pickled, the output of width 5; through granii, equal to
-    DGL's output. With edge weights the layer normalises them with ``EdgeWeightNorm``, which
-    granii does not lower: the original forward runs and ``explain`` says why."""
+    features (edge weights of ones, normalised by ``EdgeWeightNorm``), pickled, the output of
+    width 5; through granii, equal to DGL's output, run by a plan of granii's."""
     g = DGL_CASES[case]().astype(idtype)
     feat = torch.randn(g.num_nodes(), 5)
     kwargs = {"edge_weight": torch.ones(g.num_edges())} if e_weight else {}
@@ -239,11 +238,60 @@ def test_dgl_appnp_conv_cases(case, idtype, e_weight, tmp_path):
     h = appnp(g, feat, **kwargs)
     assert h.shape[-1] == 5
     torch.testing.assert_close(h, ref, atol=1e-5, rtol=1e-4)
-    text = granii.explain(appnp)
-    if e_weight:
-        assert "EdgeWeightNorm" in text
-    else:
-        _optimized(appnp)
+    _optimized(appnp)
+
+
+@pytest.mark.parametrize("graph", [undirected, directed, zero_in_degree])
+@pytest.mark.parametrize("train", [False, True])
+def test_appnp_with_edge_weights_equals_dgl(graph, train):
+    """``EdgeWeightNorm("both")`` of the weights becomes ``D_in_w^-1/2 A_w D_out_w^-1/2`` with
+    weighted degrees made at run time: outputs and gradients (features and weights) as DGL's,
+    nodes without in-edges included."""
+    g = graph()
+    w = edge_weights(g)
+    ref_layer, layer = APPNPConv(10, 0.1).train(train), APPNPConv(10, 0.1).train(train)
+    x = torch.randn(g.num_nodes(), 5)
+    xr, wr = x.clone().requires_grad_(train), w.clone().requires_grad_(train)
+    ref = ref_layer(g, xr, edge_weight=wr)
+    ref_grads = grads(ref, [xr, wr]) if train else None
+    with within(60):
+        granii.granii(layer, g, x, extra_kwargs={"edge_weight": w})
+    for _ in range(3):
+        x2, w2 = x.clone().requires_grad_(train), w.clone().requires_grad_(train)
+        out = layer(g, x2, edge_weight=w2)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+        if train:
+            for a, b in zip(grads(out, [x2, w2]), ref_grads):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    _optimized(layer)
+    text = granii.explain(layer, file=open(os.devnull, "w"))
+    assert "Dw_in^-0.5" in text
+
+
+def test_non_positive_edge_weights_raise_dgls_error():
+    g = undirected()
+    w = edge_weights(g)
+    layer = APPNPConv(10, 0.1)
+    granii.granii(layer, g, torch.randn(g.num_nodes(), 5), extra_kwargs={"edge_weight": w})
+    w[3] = 0.0
+    with pytest.raises(dgl.DGLError, match="Non-positive edge weight"):
+        APPNPConv(10, 0.1)(g, torch.randn(g.num_nodes(), 5), edge_weight=w)
+    with pytest.raises(dgl.DGLError, match="Non-positive edge weight"):
+        layer(g, torch.randn(g.num_nodes(), 5), edge_weight=w)
+
+
+def test_appnp_edge_dropout_in_training_falls_back_with_reason_and_draws_as_dgl():
+    """DGL draws APPNP's edge dropout on ones, once per hop: granii has no leaf of ones to draw
+    it on, so the original forward runs (same random numbers) and ``explain`` says why."""
+    g = undirected()
+    x = torch.randn(g.num_nodes(), 5)
+    ref_layer, layer = APPNPConv(10, 0.1, edge_drop=0.3), APPNPConv(10, 0.1, edge_drop=0.3)
+    granii.granii(layer, g, x)
+    torch.manual_seed(5)
+    ref = ref_layer(g, x)
+    torch.manual_seed(5)
+    torch.testing.assert_close(layer(g, x), ref)
+    assert "edge dropout" in granii.explain(layer, file=open(os.devnull, "w"))
 
 
 # -- the budget ----------------------------------------------------------------------------------

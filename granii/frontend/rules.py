@@ -236,7 +236,11 @@ def update_all(it, graph, msg, red, node):
         w = frame_get(Frame(graph, "edge"), efield, it, node)
         if not isinstance(w, Edges):
             fail(node, f"u_mul_e with edge field '{efield}'", "the field holds no edge values")
-        if w.ones:
+        if w.scaled:
+            d_dst, arg, d_src = w.scaled
+            adj = ir.matmul(d_dst, it.leaf("A_w", it.n_dst, it.n_src, ir.SPARSE, ir.WEIGHTED,
+                                           ("edge", arg)), d_src)
+        elif w.ones:
             adj = it.leaf("A", it.n_dst, it.n_src, ir.SPARSE, ir.UNWEIGHTED, ("graph",))
         elif w.node is not None:
             heads = it.heads[0] if x.ndim == 3 and it.heads else 1
@@ -259,6 +263,30 @@ def update_all(it, graph, msg, red, node):
     else:
         fail(node, f"reduce function fn.{red.name} with fn.{msg.name}", "not lowered yet")
     graph.frames["dst"][red.out_field] = Tensor(out, x.ndim)
+
+
+def edge_weight_norm(it, module, w, node):
+    """DGL's ``EdgeWeightNorm(norm="both", eps)(graph, w)`` of an edge-weight argument:
+    ``w_e d_in(v)^-1/2 d_out(u)^-1/2`` with ``d`` the weighted degrees (the sums of the weights
+    into ``v`` and out of ``u``) plus ``eps``. As a matrix, ``D_in_w^-1/2 A_w D_out_w^-1/2``: two
+    diagonal leaves made from the weights at run time (``plan.weighted_degree_power``, which
+    raises DGL's error for a non-positive weight), so the scaling re-associates like the
+    unweighted normalisation (precomputed edge values, or row scalings around the SpMM).
+    ``norm="none"`` is the weights themselves."""
+    norm = getattr(module, "_norm", None)
+    if w.arg is None or w.ones or w.node is not None or w.scaled:
+        fail(node, "EdgeWeightNorm of computed edge values", "only an edge-weight argument's "
+             "normalisation is lowered")
+    if norm == "none":
+        return w
+    if norm != "both":
+        fail(node, f"EdgeWeightNorm(norm={norm!r})", "only 'both' and 'none' are lowered")
+    eps = float(getattr(module, "_eps", 0.0))
+
+    def degree(side, rows):
+        return it.leaf(f"Dw_{side}^-0.5", rows, rows, ir.SPARSE, ir.DIAGONAL,
+                       ("wdegree", side, -0.5, eps, w.arg))
+    return Edges(scaled=(degree("in", it.n_dst), w.arg, degree("out", it.n_src)))
 
 
 def apply_edges(it, graph, func, node):
@@ -593,6 +621,13 @@ def call_function(it, func, args, kwargs, node):
         return Edges(node=apply(it, label, edge_node(it, args[0], node), ref))
     if func is isinstance and len(args) == 2:
         return isinstance(args[0], Tensor) and issubclass(torch.Tensor, args[1])
+    if type(func).__name__ == "EdgeWeightNorm" and type(func).__module__.startswith("dgl") \
+            and len(args) == 2 and isinstance(args[0], Graph):
+        w = args[1]
+        if isinstance(w, Tensor) and _is_arg(w.node):
+            w = Edges(arg=w.node.source[1])
+        if isinstance(w, Edges):
+            return edge_weight_norm(it, func, w, node)
     if isinstance(func, nn.Module) and any(isinstance(a, Graph) for a in args):
         fail(node, f"call of {type(func).__name__} with the graph", "a nested graph module is "
              "not lowered inside a layer")

@@ -40,10 +40,13 @@ class Tensor:
 @dataclass
 class Edges:
     """Per-edge values: the forward() argument ``arg``, scores ``node`` computed from features,
-    or ``ones`` (``torch.ones(graph.num_edges(), 1)``: a product by them is the adjacency)."""
+    or ``ones`` (``torch.ones(graph.num_edges(), 1)``: a product by them is the adjacency), or
+    ``scaled = (d_dst, arg, d_src)``: the argument's values scaled by two degree leaves
+    (``EdgeWeightNorm``), the sparse product ``d_dst A_w d_src`` (only a product reads them)."""
     arg: str = None
     node: object = None
     ones: bool = False
+    scaled: tuple = None
 
 
 @dataclass

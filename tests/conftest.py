@@ -2,11 +2,12 @@
 
 The DGL stack (``requirements.lock``) runs every test. The current stack
 (``requirements-current.lock``: current torch with PyTorch Geometric, no DGL) runs the
-framework-neutral ones: a test module whose import needs DGL (``import dgl``, ``from dgl.nn
-import ...``, or a granii module that imports DGL) is skipped there as a whole, with the import
-that needed it as the reason; a single test that needs DGL in a module that does not carries
-``@pytest.mark.dgl``. ``NEUTRAL`` lists the modules that must import without DGL: one of them
-failing to is an error, not a skip.
+framework-neutral ones. A test needs DGL when importing DGL is what fails in it: a test module
+whose import needs DGL (``import dgl``, ``from dgl.nn import ...``) is skipped there as a whole,
+and a test that fails, in its setup or its run, on ``import dgl`` (building a DGL graph, say) is
+reported as skipped, the missing import as the reason; ``@pytest.mark.dgl`` marks a test that
+needs DGL beforehand. ``NEUTRAL`` lists the modules that must run without DGL: in them a missing
+DGL is a failure, not a skip.
 """
 import importlib.util
 
@@ -46,6 +47,19 @@ def pytest_pycollect_makemodule(module_path, parent):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "dgl: the test needs DGL (skipped on a stack without it)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if HAVE_DGL or not rep.failed or call.excinfo is None or item.path.name in NEUTRAL:
+        return
+    missing = _needs_dgl(call.excinfo.value)
+    if missing is not None:
+        rep.outcome = "skipped"
+        rep.longrepr = (str(item.path), item.location[1] or 0,
+                        f"needs DGL ({missing}), which this stack does not have")
 
 
 def pytest_collection_modifyitems(config, items):

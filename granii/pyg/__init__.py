@@ -29,6 +29,8 @@ __all__ = ["FrontendError", "IndexGraph", "PygIR", "Prepared", "bind_values", "c
 
 # implementations that need a DGL graph
 _DGL_IMPLS = ("dgl",)
+# (primitive, implementation) whose gradient to edge values needs a DGL graph (DGL's u_dot_v)
+_DGL_EDGE_GRAD = (("spmm_weighted", "torch_csr"), ("gat_aggregate", "torch"))
 
 
 def bind_values(layer, args, kwargs):
@@ -74,8 +76,9 @@ class Prepared:
     """One bound call of a PyG layer: ``call`` is the core's ``dispatch.Call``, ``pir`` and
     ``compiled`` its lowered and enumerated forms."""
 
-    def __init__(self, layer, pir, compiled, call):
+    def __init__(self, layer, pir, compiled, call, values):
         self.layer, self.pir, self.compiled, self.call = layer, pir, compiled, call
+        self.values = values
 
     @property
     def plans(self):
@@ -116,13 +119,23 @@ def prepare(layer, *args, **kwargs):
     pir, compiled = compile_pyg(layer, values)
     if not compiled.plans:
         raise FrontendError("enumeration", "no plan was promoted")
-    return Prepared(layer, pir, compiled, bind_call(layer, pir, compiled, values))
+    return Prepared(layer, pir, compiled, bind_call(layer, pir, compiled, values), values)
 
 
-def step_impls(step):
-    """The kernel implementations of a plan step that run on an index graph (not DGL's)."""
+def step_impls(step, edge_grad=False):
+    """The kernel implementations of a plan step that run on an index graph (not DGL's);
+    ``edge_grad``: per-edge values of the call need a gradient."""
     from ..plan import step_impls as all_impls
-    return tuple(i for i in all_impls(step) if i not in _DGL_IMPLS)
+    return tuple(i for i in all_impls(step) if i not in _DGL_IMPLS
+                 and not (edge_grad and (step.prim, i) in _DGL_EDGE_GRAD))
+
+
+def edge_grad(call):
+    """Per-edge values of the call (an edge-weight argument, or values computed from one) need a
+    gradient."""
+    return torch.is_grad_enabled() and any(
+        call.compiled.leaves[v].source[0] == "edge" and getattr(t, "requires_grad", False)
+        for v, t in call.leaf_vals.items())
 
 
 def plan_choices(prepared):
@@ -131,8 +144,9 @@ def plan_choices(prepared):
     fewer), so each implementation runs in place once. Plans with a step that only DGL runs
     are left out."""
     out = []
+    grad = edge_grad(prepared.call)
     for plan in prepared.plans:
-        per_step = [step_impls(s) for s in plan.steps]
+        per_step = [step_impls(s, grad) for s in plan.steps]
         if any(not o for o in per_step):
             continue
         n = max((len(o) for o in per_step), default=1)
@@ -146,14 +160,18 @@ def run(prepared, plan=None, impls=None):
     """Run ``plan`` (default: the first promoted plan that runs here) with kernel
     implementations ``impls`` (default: each step's first) on the prepared call."""
     from ..dispatch import run_plan
+    call = prepared.call
+    if edge_grad(call):             # values computed from an argument: a graph per run
+        call = bind_call(prepared.layer, prepared.pir, prepared.compiled, prepared.values)
     if plan is None:
         choices = plan_choices(prepared)
         if not choices:
             raise FrontendError("plans", "every plan needs a kernel only DGL has")
         plan, impls = choices[0]
     if impls is None:
-        impls = tuple(step_impls(s)[0] for s in plan.steps)
-    return run_plan(prepared.call, plan, impls)
+        grad = edge_grad(prepared.call)
+        impls = tuple(step_impls(s, grad)[0] for s in plan.steps)
+    return run_plan(call, plan, impls)
 
 
 _ = RaisesForConfig

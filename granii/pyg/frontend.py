@@ -26,7 +26,7 @@ The messages ``c * w_e * prod_i d_i[side_i(e)] * x_j`` aggregate to a product of
                                              computed at the call (``bind.edge_values``) and the
                                              product is ``A_v X`` with those values
     mean: D_in^-1 (the sum)                  (PyG divides by the number of messages, at least 1)
-    max:  max(A, X)                          (plain ``x_j`` messages only)
+    max:  amax(A, X)                         (plain ``x_j`` messages only; ``kernels.py``)
 
 Every propagate of a layer must run on one graph (the same self loops). Anything else raises
 ``FrontendError`` naming the construct (LSTM or multi aggregations, messages of ``x_i``, an MLP
@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .. import ir
+from . import kernels  # noqa: F401  (registers spmm_amax)
 from ..frontend import LayerIR, _check_complete
 from ..frontend import rules, udf
 from ..frontend.interp import Interpreter, forward_ast
@@ -111,8 +112,8 @@ def lower_pyg(module, values, kind):
     except (FrontendError, RaisesForConfig) as e:
         e.spec, e.config = interp.spec, interp.config
         raise
-    if interp.how is _UNSET:
-        raise FrontendError("forward", "without self.propagate: nothing of the graph is lowered")
+    if interp.how is _UNSET:         # no propagate (SGConv reading its cache): no graph work
+        interp.how = None
     lir = LayerIR(type(module).__name__, ir.rewrite_row_broadcasts(out.node), out.node,
                   interp.guards, tuple(params), frozenset(present), src, interp.spec,
                   interp.config, None, ())
@@ -156,11 +157,16 @@ class PygInterpreter(Interpreter):
             try:
                 return super().binop(op, a, b, node)
             except (TypeError, AttributeError) as err:
-                self.fail(node, f"operator {type(op).__name__} on {type(a).__name__} and "
-                          f"{type(b).__name__}", f"not lowered ({err})")
+                self.fail(node, f"'{ast.unparse(node)}'", f"operator {type(op).__name__} on "
+                          f"{type(a).__name__} and {type(b).__name__} is not lowered ({err})")
         return super().binop(op, a, b, node)
 
     def assign(self, target, value):
+        if isinstance(target, ast.Attribute) and _holds_pyg([value]) and \
+                self.eval(target.value) is self.module:
+            # ``self._cached_edge_index = (edge_index, edge_weight)``: a cache of the normalised
+            # graph; granii keeps its own per graph, and reads the graph given at each call
+            return
         if isinstance(target, ast.Subscript):
             obj = self.eval(target.value)
             if isinstance(obj, DegVec):
@@ -347,7 +353,8 @@ def propagate(it, args, kwargs, node):
     if size is not None:
         it.fail(node, "propagate with a size", "only square graphs (size=None) are lowered")
     if not isinstance(g, PygGraph):
-        it.fail(node, "propagate over a value that is not the graph argument", "not lowered")
+        it.fail(node, "propagate over a graph that is not the call's", "a graph the layer "
+                "cached in an earlier call of its own forward (cached=True) is not lowered")
     for hooks in ("_propagate_forward_pre_hooks", "_propagate_forward_hooks",
                   "_message_forward_pre_hooks", "_message_forward_hooks",
                   "_aggregate_forward_pre_hooks", "_aggregate_forward_hooks",
@@ -447,7 +454,7 @@ def aggregate(it, msg, node):
     if kind == "max":
         if (coef is not None and not coef.ones) or c != 1:
             it.fail(node, "max of scaled messages", "only max of x_j is lowered")
-        return Tensor(ir.Aggregate("spmm_max", x), 2)
+        return Tensor(ir.Aggregate("spmm_amax", x), 2)
     factors = _adjacency(it, coef)
     if kind == "mean":
         factors = [Degrees("in", -1.0, 1.0).leaf("N")] + factors

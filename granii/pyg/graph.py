@@ -118,8 +118,13 @@ def _make(graph_input, num_nodes, kind):
             graph_input = a
         return IndexGraph(src, dst, graph_input.shape[0], kind,
                           graph_input.values().detach())
-    plain = graph_input.as_subclass(torch.Tensor) if kind == "EdgeIndex" else graph_input
+    plain = _plain(graph_input)
     return IndexGraph(plain[0], plain[1], num_nodes, kind)
+
+
+def _plain(t):
+    """The plain tensor of an ``EdgeIndex`` (its data), else ``t``."""
+    return t.as_tensor() if type(t) is not torch.Tensor and hasattr(t, "as_tensor") else t
 
 
 # id(input tensor) -> (weak reference, identity, IndexGraph)
@@ -127,9 +132,8 @@ _GRAPHS = {}
 
 
 def _identity(t, num_nodes):
-    base = t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor and \
-        t.layout == torch.strided else t
     if t.layout == torch.strided:
+        base = _plain(t)
         return (base.data_ptr(), base._version, tuple(base.shape), base.stride(), num_nodes)
     return (id(t), t._version if not t.is_inference() else None, tuple(t.shape))
 

@@ -57,7 +57,14 @@ class PygGraph:
         fail(f"edge_index[{key!r}]", "only edge_index[0] and edge_index[1] are lowered (a "
              "subset of the edges is another graph)")
 
+    @property
+    def layout(self):
+        import torch
+        return torch.sparse_csr if self.kind == "adj_t" else torch.strided
+
     def size(self, dim=None):
+        if self.kind == "adj_t" and dim in (0, 1, -1, -2):
+            return NODES
         if dim in (1, -1):
             return EdgeCount(self)
         if dim in (0, -2):
@@ -69,6 +76,16 @@ class PygGraph:
 
     def __repr__(self):
         return f"{self.kind}" + (f"+loops({self.how})" if self.how else "")
+
+
+class _Nodes:
+    """The number of nodes (a sparse adjacency's ``size(0)`` and ``size(1)``)."""
+
+    def __repr__(self):
+        return "N"
+
+
+NODES = _Nodes()
 
 
 @dataclass(eq=False)

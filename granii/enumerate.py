@@ -25,6 +25,14 @@ Algorithm 1 explores merges depth-first and collects each finished tree; the sam
 through many merge orders. ``association_trees`` enumerates the same forest directly (each tree once)
 by splitting every interval of the product in every place. A tree is canonical: nested SDDMMs are
 flattened, so ``(D A) D``, ``D (A D)`` and the three-operand ``D A D`` are one tree with one SDDMM.
+
+The layer's forest (``enumerate_layer``): every form of the layer (stacked hops split by weight
+blocks, products distributed over sums, common factors taken out of sums) with the trees of its
+products, found once per sub-expression of the IR (memoised by structure) and pruned per
+sub-expression, so its size and the time to find it are polynomial in the layer's size: linear
+in the hops of APPNP and SGC, quadratic for TAGConv (see ``enumerate_layer``). A budget of CPU
+time (``budget_seconds``) bounds it all the same; when it is spent the layer is associated as
+written.
 """
 import itertools
 import math
@@ -183,8 +191,6 @@ def products(root):
 PRUNE_AT = 8          # a sub-expression with more candidates keeps only the undominated ones
 FRONTIER = 8          # ... and at most this many of those (fewest calls at an embedding width first)
 BUDGET_S = 0.5        # seconds one layer's enumeration, pruning and lowering may take
-COMBINE_LIMIT = 100   # kept for callers that combine trees of products themselves (``_combine``)
-PARTIAL_LIMIT = 30
 
 
 def clock():
@@ -269,6 +275,14 @@ def enumerate_layer(root, deadline=None, exhaustive=False):
         nested form, whose calls grow linearly.
       * of the factorings of ``P X + P Y`` only the longest common prefix is tried: a shorter
         cut leaves a common factor in both terms, which flattens to the same product anyway.
+
+    A repeated step is associated once (``_step_of``, ``product_trees``): the step ``D A D []``
+    gets one tree shape for every hop of a flat product and every level of a nested chain, and
+    the adjacency one normalisation route for the whole layer (``_route``: edge values scaled
+    once, or row scalings around the SpMM). Each hop costs what its shape costs at its width
+    whatever the other hops do, and what one hop makes once (the scaled edge values) serves
+    every hop, so a mix of shapes is never cheaper than the best shape used everywhere; without
+    this rule APPNP's k levels would keep k + 1 incomparable mixes each.
 
     When a sub-expression has more than ``PRUNE_AT`` candidates, those dominated in both
     size scenarios by another (``prune``'s rule, on their distinct calls) are dropped, and at most
@@ -358,8 +372,10 @@ class _Forms:
         return found
 
     def combined(self, node, operands, build, distribute=True):
-        """One candidate of each operand in every way (undominated partial choices, as in
-        ``_combine``), each built into a form by ``build(forms)``."""
+        """One candidate of each operand in every way, each built into a form by
+        ``build(forms)``. Operands are added one at a time and the partial choices pruned
+        (``frontier``) after each; a pair whose candidates associate a repeated step
+        differently (``_agree``) is not made while a pair that agrees exists."""
         partial = [_Cand((), (), ())]
         for x in operands:
             options = self.of(x, distribute)
@@ -667,21 +683,9 @@ def binary_orders(root):
                      for p in dict.fromkeys(products(root)))
 
 
-def _combine(options, limit):
-    """One tree from each of ``options`` in every way; dominated partial choices are dropped
-    whenever there are more than ``limit``."""
-    partial = [((), {})]
-    for trees in options:
-        partial = [(chosen + (t,), {**calls, **dict.fromkeys(steps(t))})
-                   for chosen, calls in partial for t in trees]
-        if len(partial) > limit:
-            keep = _undominated([calls for _, calls in partial])
-            partial = [p for i, p in enumerate(partial) if i in keep]
-    return [chosen for chosen, _ in partial]
-
-
 class TooManyTrees(Exception):
-    """The layer's forest is too large to lower at run time; the original forward runs."""
+    """The layer's forest is too large to lower at run time; the original forward runs. (No
+    longer raised: the enumeration is polynomial and bounded by a budget; kept for callers.)"""
 
 
 def _drop_dominated(trees):

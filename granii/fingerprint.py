@@ -13,7 +13,18 @@ nothing about 8, and a new torch or DGL release changes kernels. The fingerprint
     torch, dgl, xgboost   library versions (major.minor.patch, local build tags dropped)
 
 and its id is the first 12 hex digits of the SHA-256 of these fields as sorted JSON: the name of the
-folder ``costmodels/<id>/`` holding this machine's models.
+folder ``costmodels/<id>/`` holding this machine's models. Two more fields change what the models
+measured, and are recorded beside them (``RECORDED``) without entering the id:
+
+    wait_policy  ``OMP_WAIT_POLICY`` as the OpenMP runtime reads it (``passive``, ``active``, or
+                 ``default`` when unset): with sleeping workers every parallel region pays a
+                 wake-up of tens of microseconds, and granii's small products and kernels take
+                 another path (``kernels/blas.py``, ``csrc/native.h``)
+    native       the hash of the sources the native kernels were built from
+                 (``kernels.native.built_sha``), or ``none`` without them
+
+Models whose fingerprint records these are foreign where they differ (``differences``); models
+made before they were recorded are compared on ``FIELDS`` only.
 """
 import functools
 import hashlib
@@ -23,6 +34,7 @@ import os
 import platform
 
 FIELDS = ("cpu_model", "isa", "cores", "threads", "torch", "dgl", "xgboost")
+RECORDED = ("wait_policy", "native")
 ISA_ORDER = ("avx512f", "avx2", "avx", "sse4_2", "asimd", "neon")   # widest first
 
 
@@ -66,6 +78,20 @@ def _version(package):
         return "missing"
 
 
+def wait_policy():
+    """``OMP_WAIT_POLICY`` read as the OpenMP runtime reads it (case and surrounding spaces
+    ignored); ``default`` when unset or empty."""
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() or "default"
+
+
+def native_build():
+    """The source hash the loaded native kernels were built from, or ``none``."""
+    from granii.kernels import native
+    if not native.AVAILABLE:
+        return "none"
+    return native.built_sha(native._MODULE) or "unknown"
+
+
 def machine_fingerprint(threads=None):
     """``{field: value}`` of this machine; ``threads`` defaults to torch's current thread count."""
     import torch
@@ -77,6 +103,8 @@ def machine_fingerprint(threads=None):
         "torch": _version("torch"),
         "dgl": _version("dgl"),
         "xgboost": _version("xgboost"),
+        "wait_policy": wait_policy(),
+        "native": native_build(),
     }
 
 
@@ -88,5 +116,6 @@ def fingerprint_id(fp):
 
 def differences(have, want):
     """Readable list of the fields where fingerprint ``want`` (the models') differs from ``have``."""
+    keys = FIELDS + tuple(k for k in RECORDED if k in want)
     return [f"{k}: {want.get(k)!r} in the models, {have.get(k)!r} here"
-            for k in FIELDS if have.get(k) != want.get(k)]
+            for k in keys if have.get(k) != want.get(k)]

@@ -152,3 +152,22 @@ def test_layers_match_dgl_with_serial_products(sleeping_workers, monkeypatch, ma
             for a, b in zip(got, exp):
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert calls
+
+
+def test_fingerprint_records_the_wait_policy_and_the_native_build(monkeypatch):
+    """Both change what the cost models measured: recorded beside the id's fields, compared when
+    the models recorded them, and left out of the id (the models' folder name)."""
+    from granii import fingerprint as fpm
+    from granii.kernels import native
+    monkeypatch.setenv("OMP_WAIT_POLICY", " Passive ")
+    here = fpm.machine_fingerprint()
+    assert here["wait_policy"] == "passive"
+    assert here["native"] == (native.built_sha(native._MODULE) if native.AVAILABLE else "none")
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    unset = fpm.machine_fingerprint()
+    assert unset["wait_policy"] == "default"
+    assert fpm.fingerprint_id(unset) == fpm.fingerprint_id(here)
+    assert fpm.differences(unset, here) == ["wait_policy: 'passive' in the models, "
+                                            "'default' here"]
+    older = {k: v for k, v in here.items() if k not in fpm.RECORDED}     # made before
+    assert fpm.differences(unset, older) == []

@@ -16,6 +16,8 @@ A layer or call the frontend does not lower raises ``FrontendError`` naming the 
 ``granii(model, x, edge_index)`` then runs the layer's own forward.
 """
 import inspect
+import types
+import weakref
 
 import torch
 
@@ -27,10 +29,6 @@ __all__ = ["FrontendError", "IndexGraph", "PygIR", "Prepared", "bind_values", "c
            "derived", "graph_info", "index_graph", "input_kind", "is_pyg_layer", "plan_choices",
            "prepare", "run", "step_impls"]
 
-# implementations that need a DGL graph
-_DGL_IMPLS = ("dgl",)
-# (primitive, implementation) whose gradient to edge values needs a DGL graph (DGL's u_dot_v)
-_DGL_EDGE_GRAD = (("spmm_weighted", "torch_csr"), ("gat_aggregate", "torch"))
 
 
 def bind_values(layer, args, kwargs):
@@ -126,8 +124,8 @@ def step_impls(step, edge_grad=False):
     """The kernel implementations of a plan step that run on an index graph (not DGL's);
     ``edge_grad``: per-edge values of the call need a gradient."""
     from ..plan import step_impls as all_impls
-    return tuple(i for i in all_impls(step) if i not in _DGL_IMPLS
-                 and not (edge_grad and (step.prim, i) in _DGL_EDGE_GRAD))
+    needed = (0,) if edge_grad else ()
+    return tuple(i for i in all_impls(step) if IndexGraph.runs(step.prim, i, needed))
 
 
 def edge_grad(call):
@@ -175,3 +173,50 @@ def run(prepared, plan=None, impls=None):
 
 
 _ = RaisesForConfig
+
+
+# -- the dispatcher's entry (``dispatch.prepare`` calls this for PyG layers) --------------------------
+def prepare_call(state, module, args, kwargs, reuse_inputs=True):
+    """Bind a call of the PyG layer ``module`` for the dispatcher: its ``dispatch.Call``, or a
+    string (the reason) when the original forward must run. Compiled variants are kept in
+    ``state.compiled`` per call signature (which arguments are tensors, the graph input's kind,
+    plain arguments) and reused while the configuration they read holds."""
+    from ..dispatch import _holds, _repeats, input_identity
+    values = bind_values(module, args, kwargs)
+    names = list(values)
+    feat, graph = names[0], names[1]
+    why = unsupported_input(values, feat, graph)
+    if why:
+        return why
+    present = frozenset(n for n in names[2:] if isinstance(values[n], torch.Tensor))
+    config = tuple((n, repr(values[n])) for n in names[2:]
+                   if values[n] is not None and n not in present)
+    key = ("pyg", present, input_kind(values[graph]), config)
+    variants = state.compiled.setdefault(key, [])
+    found = None
+    no_graph = types.SimpleNamespace(cache={})      # conditions are evaluated at each call
+    for v in variants:
+        variant = v[1] if isinstance(v, tuple) else v
+        if _holds(variant, module, values, no_graph):
+            found = v
+            break
+    if found is None:
+        try:
+            found = compile_pyg(module, values)
+        except (FrontendError, RaisesForConfig) as e:
+            found = e
+        except Exception as e:        # noqa: BLE001 - whatever fails, the original forward runs
+            from ..dispatch import _failure
+            found = _failure("the PyG frontend", e)
+        variants.append(found)
+    if isinstance(found, Exception):
+        state.last_failure = found
+        return str(found)
+    pir, compiled = found
+    call = bind_call(module, pir, compiled, values, state)
+    x = values[feat]
+    ident = input_identity(x) if reuse_inputs else None
+    call.input_repeats = _repeats(state, x, ident)
+    state.last_input = None if ident is None else (weakref.ref(x), ident)
+    call.key = (id(compiled),) + key
+    return call

@@ -75,6 +75,16 @@ class IndexGraph:
         torch.cumsum(counts, 0, out=indptr[1:])
         return indptr, cols[eids], eids
 
+    @staticmethod
+    def runs(prim, impl, needed=()):
+        """Whether kernel ``impl`` of ``prim`` runs on an index graph, with the gradients of the
+        operand positions ``needed``: DGL's kernels need a DGL graph, and so does the gradient
+        to the edge values (position 0) of ``spmm_weighted``/``torch_csr`` (DGL's u_dot_v)."""
+        if impl == "dgl":
+            return False
+        return not (0 in needed and (prim, impl) in (("spmm_weighted", "torch_csr"),
+                                                     ("gat_aggregate", "torch")))
+
     def in_degrees(self):
         """Edges into each node (``A 1``), parallel edges counted."""
         return torch.bincount(self.dst, minlength=self.n)

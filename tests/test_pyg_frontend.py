@@ -320,10 +320,27 @@ def test_unsupported_constructs_are_named(name):
     assert construct in str(e.value), str(e.value)
 
 
-def test_sparse_adjacency_is_refused_by_name():
-    ei = torch.unique(_graph("directed"), dim=1)
-    adj_t = _as_inputs(ei, 14)["adj_t"]
-    with pytest.raises(FrontendError, match="sparse adjacency"):
+def _adj_t(graph):
+    """``graph`` as a weighted ``torch.sparse`` CSR adjacency (rows = targets)."""
+    ei = torch.unique(_graph(graph), dim=1)
+    w = torch.rand(ei.shape[1], generator=torch.Generator().manual_seed(2)) + 0.5
+    return torch.sparse_coo_tensor(torch.stack([ei[1], ei[0]]), w, (14, 14)).coalesce() \
+        .to_sparse_csr()
+
+
+@pytest.mark.parametrize("graph", ["directed", "loops"])
+@pytest.mark.parametrize("name", ["gcn_nonorm_nobias", "sage_mean", "sage_sum", "gin",
+                                  "graphconv", "graphconv_mean"])
+def test_every_plan_matches_pyg_on_a_sparse_adjacency(name, graph):
+    """PyG runs ``message_and_aggregate`` (``spmm(adj_t, x, reduce)``) on it: its values weigh
+    the messages."""
+    x = torch.randn(14, 6, requires_grad=True)
+    assert check_every_plan(_layer(name), x, _adj_t(graph)) >= 1
+
+
+def test_sparse_adjacency_refusals_are_named():
+    adj_t = _adj_t("directed")
+    with pytest.raises(FrontendError, match="add_self_loops of a sparse adjacency"):
         pyg.prepare(_layer("gcn"), torch.randn(14, 6), adj_t)
-    with pytest.raises(FrontendError, match="sparse adjacency"):
-        pyg.prepare(_layer("sage_mean"), torch.randn(14, 6), adj_t)
+    with pytest.raises(FrontendError, match="reduce='max'"):
+        pyg.prepare(_layer("sage_max"), torch.randn(14, 6), adj_t)

@@ -21,6 +21,8 @@ from .values import EdgeVal
 
 def _weight(w_spec, base, values):
     w = values[w_spec.arg]
+    if w.layout != torch.strided:        # a sparse adjacency: its values, in the adapter's order
+        w = (w if w.layout == torch.sparse_csr or w.is_coalesced() else w.coalesce()).values()
     w = w.reshape(-1)
     if w_spec.how is None:
         return w

@@ -16,7 +16,11 @@ as rules, not a table of layer classes:
     self.propagate(edge_index, **kwargs)            ``message`` read with ``x_j`` the rows of
                                                     ``x`` at the sources, then the aggregation
                                                     of ``self.aggr_module`` ('sum'/'add', 'mean',
-                                                    'max'), then ``update`` if overridden
+                                                    'max'), then ``update`` if overridden; on a
+                                                    sparse adjacency, ``message_and_aggregate``
+                                                    as PyG runs it
+    spmm(adj_t, x, reduce)                          ``A_w X`` (sum), ``D_in^-1 A_w X`` (mean),
+                                                    the adjacency's values as ``w``
 
 The messages ``c * w_e * prod_i d_i[side_i(e)] * x_j`` aggregate to a product of the IR:
 
@@ -126,6 +130,7 @@ class PygInterpreter(Interpreter):
     def __init__(self, module, func_def, globals_, src, real, kind):
         super().__init__(module, func_def, globals_, src, False, real)
         self.kind = kind
+        self.graph_name = [a.arg for a in func_def.args.args][2]
         self.how = _UNSET                 # self loops of the graph the propagates run on
         self.edge_values = {}
 
@@ -312,6 +317,25 @@ def _is_sparse(it, args, kwargs, node):
     return isinstance(x, PygGraph) and x.kind == "adj_t"
 
 
+def _spmm(it, args, kwargs, node):
+    """``spmm(adj_t, x, reduce)`` of the sparse adjacency (its values as edge weights): sum
+    ``A_w X``, mean ``D_in^-1 A_w X`` (torch's CSR mean: the weighted sum over the row's
+    entries, divided by their number)."""
+    a = _args(("src", "other", "reduce"), args, kwargs, {"reduce": "sum"})
+    g, x, reduce = a["src"], a["other"], a["reduce"]
+    if not isinstance(g, PygGraph) or g.kind != "adj_t" or g.how is not None or \
+            not isinstance(x, Tensor) or x.ndim != 2 or x.node.rows != "N":
+        it.fail(node, "spmm", "only of the sparse adjacency argument and N x k features")
+    if reduce not in ("sum", "add", "mean"):
+        it.fail(node, f"spmm(..., reduce={reduce!r}) of a sparse adjacency", "only sum and mean "
+                "are lowered")
+    if it.how is _UNSET:
+        it.how = None
+    adj = _edge_leaf(it, EdgeVal(g, EdgeW(it.graph_name)))
+    factors = [adj] if reduce != "mean" else [Degrees("in", -1.0, 1.0).leaf("N"), adj]
+    return Tensor(ir.matmul(*factors, x.node), 2)
+
+
 def _unsupported(what):
     def rule(it, args, kwargs, node):
         it.fail(node, what, "not lowered")
@@ -326,6 +350,7 @@ _UTILS = {
     "maybe_num_nodes": _maybe_num_nodes,
     "is_torch_sparse_tensor": _is_sparse,
     "is_sparse": _is_sparse,
+    "spmm": _spmm,
     "to_edge_index": _unsupported("to_edge_index of a sparse adjacency"),
     "set_sparse_value": _unsupported("set_sparse_value of a sparse adjacency"),
     "softmax": _unsupported("PyG's softmax over edges (attention)"),
@@ -368,9 +393,6 @@ def propagate(it, args, kwargs, node):
         it.fail(node, "propagate with decomposed_layers > 1", "not lowered")
     if getattr(mod, "flow", "source_to_target") != "source_to_target":
         it.fail(node, f"flow='{mod.flow}'", "only source_to_target is lowered")
-    if g.kind == "adj_t":
-        it.fail(node, "propagate over a torch.sparse adjacency", "only edge_index (and "
-                "EdgeIndex) graphs are lowered yet")
     if it.how is _UNSET:
         it.how = g.how
     elif it.how != g.how:
@@ -379,8 +401,15 @@ def propagate(it, args, kwargs, node):
     cls = type(mod)
     if cls.aggregate is not base.aggregate:
         it.fail(node, f"{cls.__name__}.aggregate", "a user-defined aggregate is not lowered")
-    msg = _message(it, g, kwargs, node)
-    out = aggregate(it, msg, node)
+    if g.kind == "adj_t" and getattr(mod, "fuse", False):
+        # PyG runs message_and_aggregate on a sparse adjacency
+        fn = udf.user_function(mod.message_and_aggregate, node, "message_and_aggregate")
+        out = it.call_user(fn, [], _collect(it, fn, g, kwargs, node), "message_and_aggregate",
+                           node)
+        if not isinstance(out, Tensor):
+            it.fail(node, "message_and_aggregate", f"returns {type(out).__name__}")
+    else:
+        out = aggregate(it, _message(it, g, kwargs, node), node)
     if cls.update is not base.update:
         fn = udf.user_function(mod.update, node, "update function")
         out = it.call_user(fn, [out], _collect(it, fn, g, kwargs, node, skip=1), "update", node)

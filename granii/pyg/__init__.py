@@ -31,9 +31,16 @@ __all__ = ["FrontendError", "IndexGraph", "PygIR", "Prepared", "bind_values", "c
 
 
 
+_SIGNATURES = {}
+
+
 def bind_values(layer, args, kwargs):
-    """``{parameter: value}`` of a call of ``layer.forward``, defaults filled in."""
-    bound = inspect.signature(layer.forward).bind(*args, **kwargs)
+    """``{parameter: value}`` of a call of the forward of ``layer``'s class, defaults filled in
+    (``layer.forward`` may be granii's dispatcher)."""
+    sig = _SIGNATURES.get(type(layer))
+    if sig is None:
+        sig = _SIGNATURES[type(layer)] = inspect.signature(type(layer).forward.__get__(layer))
+    bound = sig.bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -191,18 +198,19 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
     present = frozenset(n for n in names[2:] if isinstance(values[n], torch.Tensor))
     config = tuple((n, repr(values[n])) for n in names[2:]
                    if values[n] is not None and n not in present)
-    key = ("pyg", present, input_kind(values[graph]), config)
+    # the dispatcher's key of a call signature: (present, is_block, configuration)
+    key = (present, False, (("graph input", input_kind(values[graph])),) + config)
     variants = state.compiled.setdefault(key, [])
     found = None
     no_graph = types.SimpleNamespace(cache={})      # conditions are evaluated at each call
     for v in variants:
-        variant = v[1] if isinstance(v, tuple) else v
-        if _holds(variant, module, values, no_graph):
+        if _holds(v, module, values, no_graph):
             found = v
             break
     if found is None:
         try:
-            found = compile_pyg(module, values)
+            pir, found = compile_pyg(module, values)
+            found.pyg = pir
         except (FrontendError, RaisesForConfig) as e:
             found = e
         except Exception as e:        # noqa: BLE001 - whatever fails, the original forward runs
@@ -212,8 +220,8 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
     if isinstance(found, Exception):
         state.last_failure = found
         return str(found)
-    pir, compiled = found
-    call = bind_call(module, pir, compiled, values, state)
+    compiled = found
+    call = bind_call(module, compiled.pyg, compiled, values, state)
     x = values[feat]
     ident = input_identity(x) if reuse_inputs else None
     call.input_repeats = _repeats(state, x, ident)

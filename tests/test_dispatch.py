@@ -1177,3 +1177,43 @@ def test_a_configuration_object_is_held_by_identity():
     relu = config_summary(torch.relu)            # no weak reference to a builtin: held
     assert relu.holds(torch.relu) and relu == config_summary(torch.relu)
     assert relu != config_summary(torch.tanh) and relu != 3
+
+
+# -- a stale native build ---------------------------------------------------------------------------
+def _fake_library(path, sha):
+    """A file standing for the built extension, carrying the sources' hash as setup.py compiles
+    it in (``h<hex>``), older than every source."""
+    import os
+    path.write_bytes(b"\x7fELF" + b"\0" * 64 + b"h" + sha.encode() + b"\0" + b"\0" * 64)
+    os.utime(path, (1, 1))
+    return path
+
+
+def test_a_native_build_from_other_sources_is_refused_before_it_is_loaded(tmp_path, monkeypatch):
+    """A library built from other sources than csrc/ holds is not loaded (its operators would
+    be registered and its kernels used): one warning says how to rebuild, and the DGL/torch
+    kernels are used. It used to be loaded and used after a warning."""
+    import warnings
+    from granii.kernels import native
+    here = native.sources_sha()
+    if here is None:
+        pytest.skip("no kernel sources beside the package")
+    lib = _fake_library(tmp_path / "_native.so", "0" * 16)
+    monkeypatch.setattr(native, "library", lambda: lib)
+    monkeypatch.setattr(native, "_import", lambda: pytest.fail("the stale build was loaded"))
+    with pytest.warns(native.NativeKernelsUnavailable, match="bash scripts/env.sh") as seen:
+        mod, reason = native._load()
+    assert mod is None and "other sources" in reason and "not used" in reason
+    assert len(seen) == 1
+    # a build older than the sources but made from the same ones (a source touched, not
+    # changed) is loaded, without a warning
+    _fake_library(lib, here)
+    built = type("Built", (), {"sources_sha": "h" + here, "__file__": str(lib)})
+    monkeypatch.setattr(native, "_import", lambda: built)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native._load() == (built, None)
+    # newer than the sources but carrying another hash: refused once loaded
+    built.sources_sha = "h" + "1" * 16
+    with pytest.warns(native.NativeKernelsUnavailable, match="bash scripts/env.sh"):
+        assert native._load()[0] is None

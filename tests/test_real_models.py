@@ -5,6 +5,12 @@ consecutive calls under the same seed (dropout draws the same masks on both side
 step between calls so parameters change in place as they do in training; eval mode is compared
 with and without gradients. Then the things users do with a model: deepcopy, torch.save,
 inference_mode, wrapping twice, restore, graphs and features edited in place.
+
+Each compared call checks what it ran (``granii.api.what_ran``): a comparison of DGL's forward
+with itself proves nothing, so these models decide without the measured tie-break (``tune=False``:
+each call runs the plan ranked first), and the layers of the kinds granii optimizes must have run
+a plan on every compared call. The tie-break, which gives DGL's forward turns and may keep it, is
+compared call by call on its own (``test_training_through_the_tie_break_matches_dgl``).
 """
 import copy
 import io
@@ -17,6 +23,8 @@ import torch
 from torch import nn
 
 from granii import granii
+from granii.api import layer_states
+from granii.dispatch import ORIGINAL
 from graphs import directed, edge_weights, undirected, zero_in_degree
 import models
 from models import CASES, CASES_BY_NAME, of_optimized_kind
@@ -69,10 +77,36 @@ def assert_same_buffers(model, ref, what):
             assert torch.equal(b, c), f"{what}: buffer '{name}' is {b}, DGL {c}"
 
 
-def train_side_by_side(run, model, ref, w=None, calls=CALLS, seed=0, what=""):
+def ran_in(model, call):
+    """``call()``, and what each optimized layer of ``model`` ran in it: ``{name: Ran}`` (layers
+    that did not run left out)."""
+    states = layer_states(model)
+    for st in states:
+        st.ran = None
+    out = call()
+    return out, {st.name: st.ran for st in states if st.ran is not None}
+
+
+def assert_plans_ran(model, ran, what):
+    """Every layer of a kind granii optimizes ran a plan in the call (``ran``: ``ran_in``'s);
+    the other layers a plan or their own forward as a fallback with its reason, never as a
+    decision (no tie-break turn, no kept original)."""
+    for st in layer_states(model):
+        r = ran.get(st.name)
+        if of_optimized_kind(st.module):
+            assert r is not None and r.kind == "plan", \
+                f"{what}: layer '{st.name}' ({type(st.module).__name__}) ran {r}"
+        elif r is not None:
+            assert r.kind == "plan" or (r.kind == "fallback" and r.reason), \
+                f"{what}: layer '{st.name}' ran {r}"
+
+
+def train_side_by_side(run, model, ref, w=None, calls=CALLS, seed=0, what="", plans=False,
+                       record=None):
     """``calls`` training steps of model and ref under the same seeds: outputs, gradients of every
     parameter (and of the edge weights ``w``), buffers; an SGD step after each call, after which
-    model gets the reference's values."""
+    model gets the reference's values. With ``plans``, each call of model ran plans
+    (``assert_plans_ran``); ``record`` (a list) gets what each call of model ran."""
     model.train()
     ref.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -83,7 +117,12 @@ def train_side_by_side(run, model, ref, w=None, calls=CALLS, seed=0, what=""):
             o.zero_grad(set_to_none=True)
             wi = None if w is None else w.clone().requires_grad_()
             torch.manual_seed(seed + i)
-            out = run(m, wi)
+            out, ran = ran_in(m, lambda: run(m, wi)) if m is model else (run(m, wi), None)
+            if ran is not None:
+                if plans:
+                    assert_plans_ran(model, ran, f"{what} training call {i + 1}")
+                if record is not None:
+                    record.append(ran)
             (out * projection(out)).sum().backward()
             outs.append(out)
             w_grads.append(None if wi is None else wi.grad)
@@ -111,17 +150,22 @@ def sync(model, ref):
             b.copy_(c)
 
 
-def eval_side_by_side(run, model, ref, w=None, what=""):
+def eval_side_by_side(run, model, ref, w=None, what="", plans=False):
     model.eval()
     ref.eval()
     for i in range(2):            # the second call may reuse work of the first
         with torch.no_grad():
-            assert_close(run(model, w), run(ref, w), f"{what} eval call {i + 1} (no_grad)")
+            out, ran = ran_in(model, lambda: run(model, w))
+            assert_close(out, run(ref, w), f"{what} eval call {i + 1} (no_grad)")
+        if plans:
+            assert_plans_ran(model, ran, f"{what} eval call {i + 1} (no_grad)")
     model.zero_grad(set_to_none=True)
     ref.zero_grad(set_to_none=True)
     outs = []
     for m in (ref, model):
-        out = run(m, w)
+        out, ran = ran_in(m, lambda: run(m, w))
+        if m is model and plans:
+            assert_plans_ran(model, ran, f"{what} eval with gradients")
         (out * projection(out)).sum().backward()
         outs.append(out)
     assert_close(outs[1], outs[0], f"{what} eval with gradients: output")
@@ -135,15 +179,16 @@ def features(g, k, seed=1):
     return torch.randn(g.num_src_nodes(), k, generator=gen)
 
 
-def build_case(case, graph_kind, seed=0):
-    """(runner, model wrapped by granii, reference, graph, features, edge weights)."""
+def build_case(case, graph_kind, seed=0, tune=False):
+    """(runner, model wrapped by granii, reference, graph, features, edge weights). Without the
+    measured tie-break unless ``tune``: each call runs the plan ranked first."""
     g = GRAPHS[graph_kind]()
     x = features(g, case.in_feats)
     w = edge_weights(g) if case.edge_weight else None
     torch.manual_seed(seed)
     model = case.build(g, case.in_feats, graph_kind == "zero_in_degree")
     ref = copy.deepcopy(model)
-    granii(model, g, x)
+    granii(model, g, x, tune=tune)
     return (lambda m, wi: case.run(m, g, x, wi)), model, ref, g, x, w
 
 
@@ -153,13 +198,48 @@ CASE_GRAPHS = [pytest.param(c, k, id=f"{c.name}-{k}") for c in CASES for k in c.
 @pytest.mark.parametrize("case,graph_kind", CASE_GRAPHS)
 def test_training_matches_dgl(case, graph_kind):
     run, model, ref, g, x, w = build_case(case, graph_kind)
-    train_side_by_side(run, model, ref, w, what=f"{case.name} on {graph_kind}:")
+    train_side_by_side(run, model, ref, w, what=f"{case.name} on {graph_kind}:", plans=True)
 
 
 @pytest.mark.parametrize("case,graph_kind", CASE_GRAPHS)
 def test_eval_matches_dgl(case, graph_kind):
     run, model, ref, g, x, w = build_case(case, graph_kind)
-    eval_side_by_side(run, model, ref, w, what=f"{case.name} on {graph_kind}:")
+    eval_side_by_side(run, model, ref, w, what=f"{case.name} on {graph_kind}:", plans=True)
+
+
+# GIN left out: its BatchNorm'd eps gradients leave RTOL_GRAD on some seeds after ~25 calls
+# (seeds 26, 27, 29 with the plan ranked first), and the trial needs that many with few seeds
+TIE_BREAK_CASES = ["gcn", "gat"]
+
+
+@pytest.mark.parametrize("name", TIE_BREAK_CASES)
+def test_training_through_the_tie_break_matches_dgl(name):
+    """With the measured tie-break (``tune``, the default): training calls until every layer's
+    trial settled, each compared with DGL. Each call records what it ran: during the trial the
+    turns (the predicted best plan first, DGL's forward among them), then the kept decision, a
+    plan or DGL's forward, on every call; so the plans were compared, and what is kept runs."""
+    case = CASES_BY_NAME[name]
+    run, model, ref, g, x, w = build_case(case, "undirected", tune=True)
+    record = []
+    layers = [st for st in layer_states(model) if of_optimized_kind(st.module)]
+    for i in range(10):
+        train_side_by_side(run, model, ref, w, calls=2, seed=10 * i, what=f"{name}:",
+                           record=record)
+        if all(st.tuned is not None for st in layers) and all(
+                r[st.name].reason != "a turn of the measured tie-break"
+                for r in record[-2:] for st in layers):
+            break
+    for st in layer_states(model):
+        mine = [r[st.name] for r in record if st.name in r]
+        if not of_optimized_kind(st.module) or st.tuned is None:
+            assert all(r.kind in ("plan", "fallback") for r in mine), (st.name, mine)
+            continue
+        turns = [r for r in mine if r.reason == "a turn of the measured tie-break"]
+        assert turns and turns[0].kind == "plan", (st.name, mine[:3])
+        after = mine[len(turns):]
+        kept = st.tuned[1]
+        want = ("original", ORIGINAL) if kept == ORIGINAL else ("plan", kept)
+        assert after and all((r.kind, r.label) == want for r in after), (st.name, kept, after)
 
 
 # -- two models, copies, pickles ----------------------------------------------------------------------
@@ -469,25 +549,25 @@ def test_sampled_graphsage_training_matches_dgl():
 
 # -- calls users make beyond (graph, features) -------------------------------------------------------
 def assert_ran_plans(model):
-    """Every layer of a kind granii optimizes ran its own plans on its last call."""
-    from granii.api import layer_states
+    """Every layer of a kind granii optimizes ran a plan on its last call (not DGL's forward,
+    as a fallback or as a decision)."""
     states = [st for st in layer_states(model) if of_optimized_kind(st.module)]
     assert states
     for st in states:
-        assert st.fallback is None and st.calls > 0, (st.name, st.fallback, st.calls)
+        assert st.ran is not None and st.ran.kind == "plan", (st.name, st.ran)
+        assert st.fallback is None
 
 
 def test_gat_returning_its_attention_runs_dgls_forward_for_those_calls_only():
     """``GATConv(...)(g, x, get_attention=True)`` returns (output, attention): no plan returns the
     attention, so those calls run DGL's forward (the fallback says why) and give DGL's results;
     the layer's plain calls go on running granii's plans."""
-    from granii.api import layer_states
     g = undirected()
     x = features(g, 12)
     torch.manual_seed(0)
     layer = dgl.nn.GATConv(12, 6, 4, feat_drop=0.2, attn_drop=0.3, residual=True)
     ref = copy.deepcopy(layer)
-    granii(layer, g, x)
+    granii(layer, g, x, tune=False)
     state = layer_states(layer)[0]
 
     def with_attention(m, w):
@@ -507,7 +587,6 @@ def test_autocast_calls_run_dgls_forward_and_the_plans_run_again_after():
     their own code (GraphConv returns float32: a bfloat16 product plus its float32 bias): those
     calls run DGL's forward, with DGL's outputs, dtypes and gradients, and the fallback says
     why; outside autocast the layers run granii's plans again."""
-    from granii.api import layer_states
 
     class Two(nn.Module):
         def __init__(self):
@@ -522,7 +601,7 @@ def test_autocast_calls_run_dgls_forward_and_the_plans_run_again_after():
     torch.manual_seed(0)
     model = Two()
     ref = copy.deepcopy(model)
-    granii(model, g, x)
+    granii(model, g, x, tune=False)
     dtypes = []
 
     def mixed(m, w):
@@ -563,7 +642,7 @@ def test_checkpointed_layers_match_dgl(reentrant):
     torch.manual_seed(0)
     model = Checkpointed()
     ref = copy.deepcopy(model)
-    granii(model, g, x)
+    granii(model, g, x, tune=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)       # no plan reported as failing
         train_side_by_side(lambda m, w: m(g, x), model, ref)
@@ -583,7 +662,8 @@ def test_graphconv_with_a_weight_passed_at_the_call_matches_dgl():
 
     def forward(m, w=None):
         return m["conv"](g, x, weight=m["make"](torch.ones(1, 1)).view(12, 5))
-    granii(model["conv"], g, x, extra_kwargs={"weight": torch.randn(12, 5)})
+    granii(model["conv"], g, x, extra_kwargs={"weight": torch.randn(12, 5)},
+           tune=False)
     train_side_by_side(forward, model, ref)
     eval_side_by_side(forward, model, ref)
     assert_ran_plans(model)
@@ -608,18 +688,18 @@ def test_batched_graphs_with_a_readout_match_dgl():
     torch.manual_seed(0)
     model = Classifier()
     ref = copy.deepcopy(model)
-    granii(model, g, x)
+    granii(model, g, x, tune=False)
     run = lambda m, w: m(g, x)
-    train_side_by_side(run, model, ref)
-    eval_side_by_side(run, model, ref)
+    train_side_by_side(run, model, ref, plans=True)
+    eval_side_by_side(run, model, ref, plans=True)
     assert_ran_plans(model)
 
 
 # -- falling back is not the way to pass --------------------------------------------------------------
 def test_most_layers_of_the_optimized_kinds_run_an_optimized_plan():
-    """At least 90% of the layers granii optimizes run an optimized plan in training and in eval;
-    every layer that falls back has its reason in explain()."""
-    from granii.api import layer_states
+    """At least 90% of the layers granii optimizes run an optimized plan in training and in eval
+    (what each call ran, not DGL's forward as a fallback or as a decision); every layer that falls
+    back has its reason in explain()."""
     counted, optimized, why = 0, 0, []
     for case in CASES:
         run, model, ref, g, x, w = build_case(case, "undirected")
@@ -628,14 +708,15 @@ def test_most_layers_of_the_optimized_kinds_run_an_optimized_plan():
         ran = {k: True for k in layers}
         for training in (True, False):
             model.train(training)
-            before = {k: states[k].calls if k in states else 0 for k in layers}
             with torch.set_grad_enabled(training):
-                run(model, w)
+                _, last = ran_in(model, lambda: run(model, w))
             for k, (n, m) in layers.items():
                 st = states.get(k)
-                if st is None or st.fallback is not None or st.calls == before[k]:
+                r = None if st is None else last.get(st.name)
+                if r is None or r.kind != "plan":
                     ran[k] = False
-                    reason = "not wrapped" if st is None else st.fallback or "did not run"
+                    reason = ("not wrapped" if st is None else "did not run" if r is None
+                              else f"{r.kind}: {r.reason}")
                     why.append(f"{case.name}: {n} ({type(m).__name__}, "
                                f"{'training' if training else 'eval'}): {reason}")
         counted += len(layers)

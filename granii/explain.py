@@ -10,8 +10,6 @@ its own forward as a fallback, with the reason.
 import io
 import sys
 
-import dgl
-
 from . import ir
 from .dispatch import Compiled, layer_states
 from .memory import fmt_bytes, plan_memory
@@ -81,7 +79,9 @@ def _explain_layer(st, out):
     ran = getattr(st, "ran", None)
     if ran is not None:
         p(f"  last call ran: {describe_ran(ran)}")
-        held = [k for k, v in vars(st.module).items() if isinstance(v, dgl.DGLGraph)]
+        dgl = sys.modules.get("dgl")         # without DGL loaded, no DGL graph exists
+        held = [k for k, v in vars(st.module).items()
+                if dgl is not None and isinstance(v, dgl.DGLGraph)]
         if ran.kind == "fallback" and held:
             p(f"  (the layer reads the graph it holds in self.{held[0]}; granii optimizes layers "
               "that take their graph as the first argument of forward)")

@@ -28,6 +28,7 @@ calibration measured at init (the manifest's ``calibration``) stands in for a re
 without a model. This machine's are measured once per fingerprint and cached in
 ``$GRANII_CACHE`` (default ``~/.cache/granii``) as ``calibration-<fingerprint id>.json``.
 """
+import hashlib
 import json
 import math
 import os
@@ -63,12 +64,14 @@ class _Graphs(dict):
     keep = ()
 
 
-def _graphs():
-    """``{spec: GraphInfo}`` of the reference graphs (``granii.reference.uniform``)."""
+def _graphs(names=REFERENCE):
+    """``{spec: GraphInfo}`` of the reference graphs of the reference calls ``names``
+    (``granii.reference.uniform``)."""
     from .graph import GraphInfo
     from .reference import uniform
     out, keep = _Graphs(), []
-    for _, _, spec, _ in REFERENCE.values():
+    for name in names:
+        spec = REFERENCE[name][2]
         if spec is not None and spec not in out:
             keep.append(uniform(*spec, undirected=True))
             out[spec] = GraphInfo(keep[-1])
@@ -113,15 +116,45 @@ def measure(repeat=7):
     return {k: min(v) for k, v in samples.items()}
 
 
+def _digest(value):
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def prediction_key(manifest):
+    """What predictions of the reference calls depend on: ``REFERENCE`` and the models of the
+    folder (each model file's SHA-256 and feature names, as ``manifest`` lists them)."""
+    models = {k: [v.get("sha256"), v.get("features"), v.get("baseline")]
+              for k, v in (manifest.get("models") or {}).items()}
+    return _digest([REFERENCE, models])
+
+
+def prediction_record(model):
+    """What a model folder's manifest keeps under ``calibration.predicted``: its models'
+    predictions of the reference calls (``predicted``) and the ``prediction_key`` they hold for."""
+    return {"key": prediction_key(model.manifest), "times": predicted(model)}
+
+
+def stored_prediction(manifest):
+    """The predictions of the reference calls stored in ``manifest`` when they were made for
+    these reference calls and these models (``prediction_key``), else ``None``. Predicting them
+    again means building the reference graphs and featurizing them: about a second in every
+    process that transfers the folder."""
+    record = (manifest.get("calibration") or {}).get("predicted")
+    if isinstance(record, dict) and record.get("key") == prediction_key(manifest) and \
+            isinstance(record.get("times"), dict):
+        return dict(record["times"])
+    return None
+
+
 def predicted(model):
     """``{name: seconds}`` the forward models of ``model`` (a ``LearnedCost``) predict for the
     reference calls: the calibration of the machine the models were trained on, when its
     manifest does not hold a measured one. Names without a model are left out."""
-    graphs = _graphs()
+    names = [n for n, (prim, impl, _, _) in REFERENCE.items() if model.has_model(prim, impl)]
+    graphs = _graphs(names)
     out = {}
-    for name, (prim, impl, spec, sizes) in REFERENCE.items():
-        if not model.has_model(prim, impl):
-            continue
+    for name in names:
+        prim, impl, spec, sizes = REFERENCE[name]
         gi = graphs.get(spec)
         try:
             out[name] = float(model.predict_many(prim, impl, gi, [_dims(prim, gi, sizes)],

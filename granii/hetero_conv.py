@@ -17,7 +17,8 @@ in training, any other module) the relation runs DGL's pair call, and ``explain`
 ``dispatcher_class`` picks a wrapped layer's dispatcher (``hetero.RelDispatcher`` for
 RelGraphConv, ``hetero_hgt.HGTDispatcher`` for HGTConv), ``wrap_containers`` sets a
 ``HeteroDispatcher`` on every HeteroGraphConv of a model. This module imports the relational
-ones (``hetero``, ``hetero_flat``, ``hetero_hgt``), none of which imports it.
+ones (``hetero``, ``hetero_flat``, ``hetero_hgt``), none of which imports it, when a model
+has such a layer: ``granii(...)`` of a model without one imports none of them.
 """
 import copy
 import time
@@ -25,11 +26,8 @@ import weakref
 
 import torch
 
-from . import hetero_flat
 from .dispatch import (AUTOCAST, ORIGINAL, BackwardClock, Dispatcher, Trial, autocast_on,
                        dispatcher_of, original_forward)
-from .hetero import RelDispatcher
-from .hetero_hgt import HGTDispatcher
 from .kernels import pool
 
 
@@ -89,6 +87,7 @@ class HeteroState:
         p(f"== layer '{self.name}' ({type(self.module).__name__}) " + "=" * 40)
         if self.fallback:
             p(f"  last call ran the original forward: {self.fallback}")
+        from . import hetero_flat
         hetero_flat.explain(self, p)
         for cet, how in self.routes.items():
             p(f"  relation {cet}: {how}")
@@ -235,6 +234,7 @@ def hetero_dispatch(state, layer, g, inputs, mod_args, mod_kwargs, dgl_only=Fals
     # built once per graph
     cache = _rel_graphs(state, g)
     if not dgl_only:
+        from . import hetero_flat
         out = hetero_flat.flat_call(state, layer, g, src_inputs, dst_inputs, mod_args,
                                     mod_kwargs, cache, tune)
         if out is not None:
@@ -285,8 +285,10 @@ def dispatcher_class(layer):
     ``hetero_hgt.HGTDispatcher`` for HGTConv, else the homogeneous one."""
     from dgl.nn.pytorch import HGTConv, RelGraphConv
     if isinstance(layer, RelGraphConv):
+        from .hetero import RelDispatcher
         return RelDispatcher
     if isinstance(layer, HGTConv):
+        from .hetero_hgt import HGTDispatcher
         return HGTDispatcher
     return Dispatcher
 

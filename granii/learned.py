@@ -37,7 +37,6 @@ import json
 import math
 import os
 import warnings
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -571,17 +570,36 @@ def read_trees(fpath, n_features, sha256=None):
 
 def trees_cache(sha256):
     """The cache file of the parsed model whose JSON has this SHA-256 (under ``GRANII_CACHE``)."""
-    return cache_dir() / "trees" / f"{sha256}.npz"
+    return cache_dir() / "trees" / f"{sha256}.npy"
+
+
+# int32 header of a cache file: magic, format, num_features, depth, trees, nodes per tree
+_CACHE_MAGIC, _CACHE_FORMAT = 0x67726E74, 1
 
 
 def _cached_trees(sha256):
-    """The cached ``Trees`` of a model file, or ``None`` (no hash, not cached, unreadable)."""
+    """The cached ``Trees`` of a model file, or ``None`` (no hash, not cached, unreadable).
+
+    A cache file is one int32 ``.npy`` array (no pickle, no zip: about 50 us to read): the header
+    ``_CACHE_MAGIC, _CACHE_FORMAT, num_features, depth, T, W``, then ``left``, ``right``,
+    ``feature``, the bits of the float32 ``cond`` and ``default_left``, each ``T x W``."""
     if not sha256:
         return None
     try:
-        with np.load(trees_cache(sha256)) as arrays:
-            return Trees.from_arrays(arrays)
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        flat = np.load(trees_cache(sha256), allow_pickle=False)
+        if flat.dtype != np.int32 or flat.ndim != 1 or flat.size < 6 or \
+                (int(flat[0]), int(flat[1])) != (_CACHE_MAGIC, _CACHE_FORMAT):
+            return None
+        n_feat, depth, t, w = (int(v) for v in flat[2:6])
+        if t < 1 or w < 1 or flat.size != 6 + 5 * t * w:
+            return None
+        left, right, feature, cond, default_left = flat[6:].reshape(5, t, w)
+        return Trees.from_arrays({"left": left.astype(np.int64), "right": right.astype(np.int64),
+                                  "feature": feature.astype(np.int64),
+                                  "cond": cond.view(np.float32).copy(),
+                                  "default_left": default_left.astype(bool),
+                                  "num_features": n_feat, "depth": depth})
+    except (OSError, ValueError, EOFError):
         return None           # parsed again from the JSON, and the cache file written anew
 
 
@@ -589,11 +607,16 @@ def _cache_trees(sha256, trees):
     if not sha256:
         return
     path = trees_cache(sha256)
+    t, w = trees.left.shape
+    head = np.array([_CACHE_MAGIC, _CACHE_FORMAT, trees.num_features, trees.depth, t, w],
+                    dtype=np.int32)
+    body = [trees.left.astype(np.int32), trees.right.astype(np.int32),
+            trees.feature.astype(np.int32), trees.cond.astype(np.float32).view(np.int32),
+            trees.default_left.astype(np.int32)]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
-        np.savez(tmp, num_features=trees.num_features, depth=trees.depth,
-                 **{name: getattr(trees, name) for name in Trees.ARRAYS})
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
+        np.save(tmp, np.concatenate([head] + [b.ravel() for b in body]), allow_pickle=False)
         os.replace(tmp, path)             # whole or not at all, whatever runs beside
     except OSError:
         pass                              # a read-only home: the JSON is parsed each process
@@ -674,10 +697,13 @@ def model_calibration(model):
     for the reference calls; the times measured at its init (manifest ``calibration``) only for
     a reference without a model. The models' predictions are consistent with what the models
     learned (the fastest rounds of the profiled points), whereas a calibration measured while
-    other processes held the cores is not."""
+    other processes held the cores is not. The predictions are read from the manifest
+    (``calibration.predicted``, written by ``granii-init``) when they were made for the current
+    reference calls."""
     from . import calibration
     measured = (model.manifest.get("calibration") or {}).get("times") or {}
-    return {**measured, **calibration.predicted(model)}
+    theirs = calibration.stored_prediction(model.manifest)
+    return {**measured, **(theirs if theirs is not None else calibration.predicted(model))}
 
 
 def transferred(models, here):

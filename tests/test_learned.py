@@ -177,11 +177,16 @@ def test_parsed_models_are_cached_by_hash_and_a_bad_cache_file_is_parsed_again(
         m.setattr(Trees, "__init__", no_parsing)
         assert load(copy_dir).predict(*args) == want                   # from the cache file
     good = trees_cache(sha).read_bytes()
-    for damaged in (b"not an npz file", good[: len(good) // 2]):
-        trees_cache(sha).write_bytes(damaged)
+    other_format = np.load(trees_cache(sha))
+    other_format[1] += 1
+    for damaged in (b"not an npy file", good[: len(good) // 2], other_format):
+        if isinstance(damaged, bytes):
+            trees_cache(sha).write_bytes(damaged)
+        else:
+            np.save(trees_cache(sha), damaged)
+        assert learned._cached_trees(sha) is None
         assert load(copy_dir).predict(*args) == want
-    with np.load(trees_cache(sha)) as arrays:                           # rewritten whole
-        assert set(Trees.ARRAYS) <= set(arrays.files)
+        assert trees_cache(sha).read_bytes() == good                    # rewritten whole
     monkeypatch.setenv("GRANII_CACHE", str(copy_dir / MANIFEST))        # a file, not a folder
     assert load(copy_dir).predict(*args) == want
 
@@ -313,6 +318,7 @@ def _as_foreign(copy_dir, times=None):
     manifest = json.loads((copy_dir / "manifest.json").read_text())
     manifest["fingerprint"]["cpu_model"] = "Some Other CPU"
     manifest["fingerprint_id"] = "0123456789ab"
+    manifest.pop("calibration", None)            # an older folder: no stored predictions either
     if times is not None:
         manifest["calibration"] = {"times": times}
     (copy_dir / "manifest.json").write_text(json.dumps(manifest))
@@ -391,6 +397,70 @@ def test_foreign_models_without_a_calibration_derive_it_from_their_predictions(
     assert both["stream"] == 0.5 and both["gemm"] == theirs["gemm"]
     here, _ = fake_calibration
     assert model.transfer.ratio("gemm") == pytest.approx(here["gemm"] / theirs["gemm"])
+
+
+def test_a_trained_folder_stores_its_predictions_of_the_reference_calls(copy_dir, monkeypatch):
+    """``train`` keeps the models' predictions of the calibration's reference calls in the
+    manifest; a process transferring the folder reads them instead of building the reference
+    graphs, as long as the reference calls and the models are those they were made for."""
+    from granii import calibration
+    manifest = json.loads((copy_dir / MANIFEST).read_text())
+    stored = calibration.stored_prediction(manifest)
+    want = calibration.predicted(load(copy_dir, check=False))
+    assert stored is not None and set(stored) == set(want) == {"gemm", "sparse", "small"}
+    assert stored == pytest.approx(want, rel=1e-6)
+    calls = []
+    real = calibration.predicted
+    monkeypatch.setattr(calibration, "predicted", lambda m: calls.append(1) or real(m))
+    assert learned.model_calibration(load(copy_dir, check=False)) == stored
+    assert calls == []
+    # other models under the same manifest: the stored predictions no longer hold
+    changed = json.loads(json.dumps(manifest))
+    changed["models"]["spmm/dgl"]["sha256"] = "0" * 64
+    assert calibration.stored_prediction(changed) is None
+    # other reference calls: neither
+    monkeypatch.setitem(calibration.REFERENCE, "small",
+                        ("spmm", "dgl", (2000, 8000, 13), {"k": 32}))
+    assert calibration.stored_prediction(manifest) is None
+    theirs = learned.model_calibration(load(copy_dir, check=False))
+    assert calls == [1] and set(theirs) == set(stored)
+
+
+def test_shipped_folders_store_what_their_models_predict():
+    """The predictions stored in the shipped manifests are what their models predict now (so a
+    change of the features, the baseline or the reference graphs that moves them is caught)."""
+    from granii import calibration
+    root = learned.DEFAULT_DIR
+    folders = sorted(p.parent for p in root.glob(f"*/{MANIFEST}"))
+    assert folders
+    for folder in folders:
+        stored = calibration.stored_prediction(json.loads((folder / MANIFEST).read_text()))
+        assert stored is not None, f"{folder.name} stores no predictions of the reference calls"
+        assert stored == pytest.approx(calibration.predicted(load(folder, check=False)),
+                                       rel=1e-6)
+
+
+def test_a_changed_model_file_is_not_read_from_the_cache_of_the_old_one(
+        copy_dir, tmp_path, monkeypatch):
+    """The cache of parsed models is keyed by the JSON's SHA-256: a model file replaced (and its
+    hash in the manifest) is parsed anew, never read from the old file's cache."""
+    monkeypatch.setenv("GRANII_CACHE", str(tmp_path / "cache"))
+    args = ("gemm", "torch", _info(), {"m": 500, "k": 64, "n": 32})
+    before = load(copy_dir).predict(*args)
+    manifest = json.loads((copy_dir / MANIFEST).read_text())
+    entry = manifest["models"]["gemm/torch"]
+    model = json.loads((copy_dir / entry["file"]).read_text())
+    for tree in model["learner"]["gradient_booster"]["model"]["trees"]:
+        tree["split_conditions"] = [c + 0.5 if l == -1 else c
+                                    for c, l in zip(tree["split_conditions"],
+                                                    tree["left_children"])]
+    (copy_dir / entry["file"]).write_text(json.dumps(model))
+    entry["sha256"] = learned.file_sha256(copy_dir / entry["file"])
+    (copy_dir / MANIFEST).write_text(json.dumps(manifest))
+    trees = len(model["learner"]["gradient_booster"]["model"]["trees"])
+    after = load(copy_dir).predict(*args)
+    assert after == pytest.approx(before * math.exp(0.5 * trees), rel=1e-4)
+    assert len(list((tmp_path / "cache" / "trees").glob("*.npy"))) == 2
 
 
 def test_transfer_scales_small_calls_by_the_small_reference_and_large_by_their_class():

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from granii.calibration import prediction_record
 from granii.featurize import FEATURE_NAMES
-from granii.learned import (BASELINE, FORMAT, MANIFEST, MODEL_SIZES, file_sha256,
+from granii.learned import (BASELINE, FORMAT, MANIFEST, MODEL_SIZES, file_sha256, load,
                             model_feature_names, model_file, model_inputs, model_key,
                             parse_model_key)
 from granii.fingerprint import fingerprint_id
@@ -253,7 +254,13 @@ def add(part_dir, out_dir, run_info=None):
 
 
 def _install(tmp, out_dir, manifest):
-    """Write ``manifest`` into the finished folder ``tmp`` and put it in place of ``out_dir``."""
+    """Write ``manifest`` into the finished folder ``tmp`` and put it in place of ``out_dir``.
+    The manifest keeps the models' predictions of the calibration's reference calls
+    (``granii.calibration.prediction_record``), which a process transferring the folder to another
+    machine would otherwise compute."""
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    predicted = prediction_record(load(tmp, check=False))
+    manifest["calibration"] = dict(manifest.get("calibration") or {}, predicted=predicted)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     old = out_dir.with_name(out_dir.name + ".old")
     shutil.rmtree(old, ignore_errors=True)

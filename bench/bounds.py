@@ -19,8 +19,9 @@ Neither can go faster than this machine's best measured rate, so
 where ``GEMM`` is the best rate of large float32 products on torch's threads and ``BW(W)`` the
 best streaming rate measured over buffers no larger than ``W`` bytes (a smaller buffer sits in a
 nearer cache: reading ``W`` bytes cannot go faster than the fastest of those; below the smallest
-size measured, the fastest rate of all). Both are measured once per run (``measure_rates``), as
-the best of several repeats, so noise can only lower them, and the bound with them.
+size measured, the fastest rate of all). Both are measured at the start and at the end of a run (``measure_rates``, ``best_of``), each
+the best of several repeats, so noise can only lower the bound. Rows keep the work
+(``bound_bytes``, ``bound_macs``); the report computes the bound from the run's best rates.
 
 A measured time below ``bound`` is a harness bug, not a fast plan (``summary.check_bounds``).
 The ``family`` floor of ``bench/single.py`` is different: the least work of the plans granii
@@ -70,6 +71,19 @@ def measure_rates(repeats=3, sizes=SIZES):
     return {"bandwidth": bw, "gemm_macs": gemm, "threads": torch.get_num_threads()}
 
 
+def best_of(*measured):
+    """The best rate of each kind over several ``measure_rates`` results (taken at the start and
+    at the end of a run: a rate measured while other work held the cores is too low, and a bound
+    made from it too high)."""
+    measured = [m for m in measured if m]
+    bw = {}
+    for m in measured:
+        for k, v in m["bandwidth"].items():
+            bw[int(k)] = max(bw.get(int(k), 0.0), float(v))
+    return {"bandwidth": bw, "gemm_macs": max(float(m["gemm_macs"]) for m in measured),
+            "threads": measured[0].get("threads")}
+
+
 def bandwidth_for(rates, nbytes):
     """``BW(W)`` of the module doc: the best rate over buffers of at most ``nbytes``."""
     bw = {int(k): float(v) for k, v in rates["bandwidth"].items()}
@@ -108,4 +122,5 @@ def layer_bound(rates, layer, g, k_in, k_out):
     return bound_seconds(rates, *layer_work(layer, g, k_in, k_out))
 
 
-__all__ = ["measure_rates", "layer_work", "layer_bound", "bound_seconds", "bandwidth_for"]
+__all__ = ["measure_rates", "layer_work", "layer_bound", "bound_seconds", "bandwidth_for",
+           "best_of"]

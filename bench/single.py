@@ -127,9 +127,12 @@ def measure(model, graph_name, g, k_in, k_out, cost_models, budget=0.6, max_roun
         try:
             timing, timed_layers = _time(layer0, g, x, k_out, names, features, budget, max_rounds,
                                          seed, firsts)
-            if features == "new" and rates is not None:
-                timing["bound_ms"] = bounds.layer_bound(rates, layer0, g, k_in, k_out) * 1e3
-                timing["bound_ceiling"] = timing["dgl_ms"] / timing["bound_ms"]
+            if features == "new":
+                nbytes, macs = bounds.layer_work(layer0, g, k_in, k_out)
+                timing.update(bound_bytes=nbytes, bound_macs=macs)
+                if rates is not None:       # the report recomputes it with the run's best rates
+                    timing["bound_ms"] = bounds.bound_seconds(rates, nbytes, macs) * 1e3
+                    timing["bound_ceiling"] = timing["dgl_ms"] / timing["bound_ms"]
             row.update(timing)
             errs = _check(layer0, g, x, timed_layers, features)
             for name, err in errs.items():

@@ -287,6 +287,24 @@ def layers_table(df):
                   "bound ceiling (DGL / true lower bound)"], rows)
 
 
+def with_bounds(df, out):
+    """``bound_ms`` and ``bound_ceiling`` of each row with its work (``bound_bytes``,
+    ``bound_macs``) from the run's best rates (``machine.json``, ``bench.bounds.best_of``)."""
+    from .bounds import bound_seconds
+    p = Path(out) / "machine.json"
+    if df is None or "bound_bytes" not in df or not p.exists():
+        return df
+    rates = json.loads(p.read_text()).get("rates")
+    if not rates:
+        return df
+    df = df.copy()
+    nb, macs = (pd.to_numeric(df[c], errors="coerce") for c in ("bound_bytes", "bound_macs"))
+    df["bound_ms"] = [bound_seconds(rates, b, m) * 1e3 if np.isfinite(b) and np.isfinite(m)
+                      else np.nan for b, m in zip(nb, macs)]
+    df["bound_ceiling"] = _col(df, "dgl_ms") / df.bound_ms
+    return df
+
+
 def check_bounds(df, what="layers"):
     """Raise ``AssertionError`` when a measured time beats its row's true lower bound
     (``bound_ms``, ``bench.bounds``): that is a harness bug, never a fast plan. Every candidate's
@@ -486,7 +504,8 @@ def machine_lines(out):
     m = json.loads(p.read_text())
     v = m.get("versions", {})
     lines = [f"* CPU: {m.get('cpu')}, {m.get('cores')} cores; torch threads: {m.get('threads')}; "
-             f"OMP_WAIT_POLICY={(m.get('omp') or {}).get('OMP_WAIT_POLICY')}",
+             "OMP_WAIT_POLICY=" + ((m.get('omp') or {}).get('OMP_WAIT_POLICY')
+                                   or "unset (as in a user's process)"),
              f"* date: {m.get('date')}; duration: {m.get('duration_min', '?')} min; 1-min load "
              f"average at start {m.get('load_start')}, at end {m.get('load_end', '?')}",
              f"* versions: " + ", ".join(f"{k} {v[k]}" for k in ("python", "torch", "dgl") if k in v),
@@ -584,6 +603,7 @@ def write(out, command=""):
     models_df = _read(out / "models.csv")
     layers_df = _read(out / "layers.csv")
     passive_df = _read(out / "passive" / "layers.csv")
+    layers_df = with_bounds(layers_df, out)
     n_bounds = check_bounds(layers_df)
     png = plot(models_df, layers_df, out)
     md = ["# granii benchmark: DGL's example models as users run them\n\n", machine_lines(out)]

@@ -1,8 +1,13 @@
 """The benchmark: granii against DGL on what users run, and the report.
 
-    python -m scripts.benchmark [--quick] [--parts models,minibatch,layers] [--minutes 25]
+    python -m scripts.benchmark [--quick] [--parts models,minibatch,layers] [--minutes 20]
                                 [--models gcn,gat,...] [--graphs cora,...] [--out DIR]
+                                [--no-fresh] [--no-ablations] [--no-passive] [--levels 0,1]
                                 [--report-only]
+
+The full run, as the committed results were made (about 20 minutes on 2 cores)::
+
+    env -u OMP_WAIT_POLICY flock -x /tmp/granii-cpu.lock .venv/bin/python -m scripts.benchmark
 
 Parts (see the modules of ``bench/`` for what each measures and how):
 
@@ -14,13 +19,27 @@ Parts (see the modules of ``bench/`` for what each measures and how):
 * ``layers``     single layers on new features each call and on the same features again
                  (``bench/single.py``) -> ``layers.csv``.
 
+The environment is the user's: ``OMP_WAIT_POLICY`` is not set here (unset, the OpenMP runtime's
+workers spin a while after each parallel region). ``--passive`` (on unless ``--no-passive``) runs
+the first size level of the single layers again in a child process with
+``OMP_WAIT_POLICY=PASSIVE`` -> ``passive/``, an extra row of the report.
+
+Each configuration's first calls (DGL's first forward; ``granii(...)`` with its default cost model
+plus its first forward) are also timed in a fresh process (``bench/fresh.py``), and the totals
+use those: the benchmark's own process has loaded the cost models and run correctness checks, so
+a first call timed there is a warm process's (kept as ``*_first_warm_ms``). ``--no-fresh`` skips
+them (the rows then say ``first_call = warm process``).
+
 Each configuration also runs a copy whose selection is restricted to DGL's and torch's kernels
-(``bench/restrict.py``): the gain of joint selection. Then ``report.md`` + ``headline.png`` and
-``machine.json`` in ``--out`` (default ``results/bench``).
+(``bench/restrict.py``: the gain of joint selection) and, unless ``--no-ablations``, DGL with
+granii's allocator and granii without it (``bench/ablation.py``). Single layers on new features
+get a true lower bound (``bench/bounds.py``, from this machine's rates measured at the start);
+the report refuses to be written when a measured time beats one. Then ``report.md`` +
+``headline.png`` and ``machine.json`` in ``--out`` (default ``results/bench``).
 
 ``--quick``: Cora and CiteSeer, two sizes, short budgets: a few minutes. A full run fits in
-``--minutes`` (25 by default): the parts run in the order above and the single layers, run last
-level by level of sizes, stop when the time is spent.
+``--minutes`` (20 by default): the parts run in the order above and the single layers, run last
+level by level of sizes, stop when the time is spent (3 minutes are kept for the PASSIVE row).
 
 The earlier suite (every promoted plan of a layer timed, PyG, overheads vs graph size, peak memory)
 is still available as the parts ``sweep``, ``overhead``, ``memory`` and ``e2e``; it writes
@@ -354,6 +373,10 @@ def main(argv=None):
         for name in ("models.csv", "layers.csv", "errors.txt"):
             (out / name).unlink(missing_ok=True)
         info["left_for_time"] = run(args, cost_model, out, lambda s: tqdm.write(s), rates)
+    if rates is not None:           # again at the end: the best of both makes the bounds
+        rates = bounds.best_of(rates, bounds.measure_rates())
+        info["rates"] = {"gemm_macs": rates["gemm_macs"],
+                         "bandwidth": {str(k): v for k, v in rates["bandwidth"].items()}}
     if "layers" in parts and args.passive:
         info["passive"] = passive_row(args, out)
     legacy_parts = [p for p in args.parts if p in LEGACY]

@@ -1,0 +1,120 @@
+"""The study of granii's decisions on unseen graphs (``bench/decisions_unseen.py``): its graph
+families, its check that they are unseen, and its scoring."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bench import decisions_unseen as du
+
+
+def _edges(g):
+    u, v = g.edges()
+    return sorted(zip(u.tolist(), v.tolist()))
+
+
+@pytest.mark.parametrize("name", [s.name for s in du.unseen_graphs()])
+def test_graphs_are_seeded_and_simple(name):
+    spec = next(s for s in du.unseen_graphs() if s.name == name)
+    a, b = spec.factory(), spec.factory()
+    assert _edges(a) == _edges(b)
+    u, v = a.edges()
+    assert not bool((u == v).any())                                  # no self-loops
+    key = u * a.num_nodes() + v
+    assert len(torch.unique(key)) == len(key)                        # no duplicate edges
+    assert 2000 <= a.num_nodes() <= 60000
+
+
+def test_family_shapes():
+    g = du.knn(500, 7, seed=3)
+    assert set(g.in_degrees().tolist()) == {7}                       # exactly k in-edges
+    assert g.out_degrees().max() > 7
+    p = du.price(3000, 3, seed=1)
+    assert p.out_degrees().max() <= 3
+    deg = p.in_degrees().float()
+    assert deg.max() > 20 * deg.mean()                               # heavy-tailed in-degree
+    k = du.kron3(5, 4, seed=0)
+    assert k.num_nodes() == 3 ** 5
+    w = du.ws(1000, 6, 0.0)
+    assert set(w.in_degrees().tolist()) == {6}                        # the ring, unrewired
+    sw = du.swgrid(20, 30, q=2, seed=0)
+    assert sw.num_nodes() == 600 and sw.in_degrees().min() >= 2
+    assert not bool(torch.equal(du.knn(500, 7, seed=3).edges()[0],
+                                du.knn(500, 7, seed=4).edges()[0]))   # the seed matters
+
+
+def test_dcsbm_keeps_most_edges_inside_blocks():
+    rng = np.random.default_rng(0)
+    g = du.dcsbm(4000, 10, 10, mix=0.9, seed=rng.integers(100))
+    u, v = (t.numpy() for t in g.edges())
+    # blocks are contiguous id ranges: an edge inside a block joins near ids far more often
+    # than uniform pairs (|u - v| < n / 10 for about a fifth of uniform pairs)
+    assert np.mean(np.abs(u - v) < 400) > 0.5
+
+
+def test_unseen_check_flags_a_known_graph():
+    """The check is not vacuous: a graph with the signature of a known one is flagged, and the
+    study's families are none of the corpus's."""
+    specs = du.unseen_graphs(quick=True)
+    graphs = [s.factory() for s in specs]
+    known = {"other": (1, 2, (0, 1)), "twin": du._signature(graphs[1])}
+    lines, clashes = du.unseen_report(specs, graphs, known)
+    assert clashes == [(specs[1].name, "twin")]
+    assert "shared: none" in lines[0]
+    lines, clashes = du.unseen_report(specs, graphs, {"other": (1, 2, (0, 1))})
+    assert clashes == []
+
+
+def _row(graph, t, tuned, model_pick, sizes=(32, 256)):
+    return dict(graph=graph, family="f", nodes=1, edges=1, model="gcn", k_in=sizes[0],
+                k_out=sizes[1], mode="inference", fastest=min(t, key=t.get), tuned=tuned,
+                model_pick=model_pick, fastest_in_trial=True, trial_ratio=1.0, noise=1.0,
+                settle_calls=1, others_cores=0.0, granii_ms=1e3 * t[tuned], _t=t)
+
+
+def _details(rows):
+    return [dict(graph=r["graph"], model=r["model"], k_in=r["k_in"], k_out=r["k_out"],
+                 mode=r["mode"], candidate=k, steady_ms=v, predicted_ms=1.0)
+            for r in rows for k, v in r.pop("_t").items()]
+
+
+def test_fixed_rules_leave_the_scored_graph_out():
+    """A fixed rule is fitted on the other graphs only: plan ``a`` is fastest on g1 and g2, ``b``
+    on g3, so g3's fixed rule picks ``a`` (regret 2); g1's, fitted on g2 and g3, picks ``b``
+    (regrets 1.5 and 1, against ``a``'s 1 and 2)."""
+    rows = [_row("g1", {"a": 1.0, "b": 1.5, du.DGL: 3.0}, "a", "b"),
+            _row("g2", {"a": 1.0, "b": 1.5, du.DGL: 3.0}, "b", "b"),
+            _row("g3", {"a": 2.0, "b": 1.0, du.DGL: 3.0}, du.DGL, "a")]
+    recs = {r["graph"]: r for r in du.score(rows, _details(rows))}
+    assert recs["g3"]["fixed_per_layer_pick"] == "a"
+    assert recs["g3"]["fixed per layer"] == pytest.approx(2.0)
+    assert recs["g1"]["fixed_per_layer_pick"] == "b"            # fitted on g2 and g3
+    assert recs["g1"]["fixed per layer"] == pytest.approx(1.5)
+    assert recs["g2"]["granii + tie-break"] == pytest.approx(1.5)
+    assert recs["g3"]["granii + tie-break"] == pytest.approx(3.0)   # kept DGL's layer
+    assert recs["g3"]["granii, model only"] == pytest.approx(2.0)
+    assert recs["g1"]["DGL layer"] == pytest.approx(3.0)
+    lines = du.summary_lines(list(recs.values()))
+    assert len(lines) == 4 and lines[2].startswith("| gcn | inference | 3 |")
+    assert math.isclose(du.geomean([1.0, 4.0]), 2.0)
+
+
+def test_kept_reads_the_plan_a_layer_runs():
+    """``kept`` names the plan (and implementations) the dispatcher ran on its last call: the
+    cost model's pick without the tie-break, and DGL's layer as ``None``."""
+    from dgl.nn import GraphConv
+
+    from granii import granii
+    from granii.dispatch import layer_states
+    g = du.knn(300, 4, seed=0)
+    x = torch.randn(300, 8)
+    layer = GraphConv(8, 16, norm="both").eval()
+    with torch.no_grad():
+        granii(layer, g, x, tune=False)
+        layer(g, x)
+    st = layer_states(layer)[0]
+    index, impls, label = du.kept(layer)
+    assert st.last[2].plan.index == du._plan_index(st, index)
+    assert impls == tuple(st.last[2].impls)
+    assert du._key([st.last[2].plan], index, impls).endswith(",".join(impls))

@@ -46,7 +46,8 @@ from .fuse import fused_variants
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .frontend.rules import Same, config_summary
 from .graph import graph_info, known_info
-from .kernels import pool, sparse_rows
+from .featurize import class_shape
+from .kernels import native, pool, sparse_rows
 from .memory import plan_memory
 from .plan import COMPUTED, REUSE, compile_plan, fuse_gemm_add, lower, tree_calls
 from .prune import prune
@@ -111,6 +112,10 @@ class LayerState:
     fast: object = field(default_factory=weakref.WeakKeyDictionary)  # gi -> {guard: entry}
     hot: tuple = None                                # (graph, GraphInfo) by weak reference, table
     ran: tuple = None                                # ``Ran``: what the last call ran
+    classes: dict = field(default_factory=dict)      # graph-class key -> [class record]
+    class_reused: int = 0                            # calls on a new whole graph that reused
+                                                     # its class's decision
+    ranked: int = 0                                  # rankings made (``_decide``)
 
 
 class Ran(NamedTuple):
@@ -244,11 +249,18 @@ def _dispatch(state, options, layer, args, kwargs, guard):
         _fell_back(state, state.failed[dkey])
         return original_forward(layer, args, kwargs)
     decision = per_graph.get(dkey)
-    skey = None
-    if decision is None and call.gi.is_block and not options.per_batch:
-        skey, decision = _sampler_decision(state, call, mode)
+    skey = ckey = None
+    if decision is None and not options.per_batch:
+        if call.gi.is_block:
+            skey, decision = _sampler_decision(state, call, mode)
+            if decision is not None:
+                state.reused += 1
+        else:
+            ckey, shape, record = _class_decision(state, call, mode)
+            if record is not None:
+                decision = record["decision"]
+                state.class_reused += 1
         if decision is not None:
-            state.reused += 1
             per_graph[dkey] = decision
     if decision is None:
         decision = per_graph[dkey] = decide(state, options, call)
@@ -256,6 +268,10 @@ def _dispatch(state, options, layer, args, kwargs, guard):
             state.sampled[skey] = decision
             if isinstance(decision, Trial):
                 decision.homes.append((state.sampled, skey))
+        elif ckey is not None:
+            record = _new_class(state, ckey, shape, decision, call)
+            if isinstance(decision, Trial):
+                decision.homes.append((record, "decision"))
     REUSE["inputs"] = options.reuse_inputs
     if isinstance(decision, Trial):
         return _trial_call(state, per_graph, dkey, decision, call, layer, args, kwargs)
@@ -325,6 +341,8 @@ def _run(state, dkey, label, fn, order, call, layer, args, kwargs):
                       "from now on for this input", RuntimeWarning)
         _fell_back(state, reason)
         return original_forward(layer, args, kwargs)
+    if len(state.verified) >= _VERIFIED_KEPT:     # keys hold graph sizes: new graphs add keys
+        state.verified.clear()
     state.verified.add((dkey, label))
     state.calls += 1
     state.fallback = None
@@ -784,6 +802,7 @@ def _preset(state, call, dk, preset):
 
 def _decide(state, options, call):
     model = options.model()
+    state.ranked += 1
     calls = 1 if call.gi.is_block else options.expected_calls
     ranking = rank(call.compiled.plans, call.gi, call.symbols, model, call.training,
                    call.input_grad, calls, call.input_repeats)
@@ -984,7 +1003,7 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
     trial.collect()
     trial.drop_slow()
     label, fn, order = trial.next()[:3]
-    scale = block_scale(call)
+    scale = _trial_scale(trial, call)
     t0 = time.perf_counter()
     out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
     seconds = (time.perf_counter() - t0) / scale
@@ -1387,6 +1406,74 @@ def _sampler_decision(state, call, mode):
     return key, decision
 
 
+# -- classes of whole graphs -------------------------------------------------------------------------
+# Graph classification trains on a new ``dgl.batch`` of small graphs at every step: a new graph
+# object per call, of about the same sizes. A layer decides (ranks, and starts a tie-break) on
+# the first graph of a class and reuses that decision for every later graph of the class, as a
+# sampler configuration's first block decides for the later blocks.
+_CLASSES_KEPT = 32       # classes kept per call signature, sizes and mode (the oldest dropped)
+_VERIFIED_KEPT = 256     # (decision key, plan) pairs kept as verified (then counted afresh)
+
+
+def graph_class_key(call):
+    """What a class of whole graphs shares: the call signature and the sizes that are not graph
+    sizes (``N``, ``E``), as ``sampler_key``; the graph's own ``class_shape`` is compared
+    within ``SHAPE_SLACK`` (``_class_decision``)."""
+    sizes = tuple((k, v) for k, v in call.sym_key if k not in _GRAPH_SYMBOLS)
+    return ("graph", call.key, sizes)
+
+
+def graph_shape(gi):
+    """``featurize.class_shape`` of a whole graph, once per graph. With the native kernels the
+    degrees come from the pass that builds their index (``native.csr_index``), which their
+    plans read next."""
+    def make():
+        graph_index(gi)
+        return class_shape(gi.num_src, gi.num_edges, gi.in_degrees(), gi.out_degrees())
+    return gi.memo("class_shape", make)
+
+
+def _class_decision(state, call, mode):
+    """``(key, shape, record or None)``: the class of this whole graph among those this layer
+    decided for, its ``class_shape`` within ``SHAPE_SLACK`` of the class's first graph in every
+    coordinate (sizes and degree statistics within a factor of 1.7). A graph like none of them
+    decides anew (``_new_class``)."""
+    key = graph_class_key(call) + mode
+    shape = graph_shape(call.gi)
+    for record in state.classes.get(key, ()):
+        if all(abs(a - b) <= SHAPE_SLACK for a, b in zip(record["shape"], shape)):
+            return key, shape, record
+    return key, shape, None
+
+
+def _new_class(state, key, shape, decision, call):
+    """Keep ``decision`` for the class of ``call``'s graph: a record ``{"shape", "decision",
+    "size"}`` (``size``: the work ``E + N`` of the graph that decided, which the tie-break's
+    times on the class's other graphs are scaled to)."""
+    records = state.classes.setdefault(key, [])
+    if len(records) >= _CLASSES_KEPT:
+        records.pop(0)
+    record = {"shape": shape, "decision": decision, "size": _graph_work(call)}
+    records.append(record)
+    return record
+
+
+def _graph_work(call):
+    s = call.symbols
+    return float(max(s.get("E", 0) + s.get("N", 0) + s.get("N_src", 0) + s.get("N_dst", 0), 1))
+
+
+def _trial_scale(trial, call):
+    """What a tie-break's time of this call is divided by: the block's size on sampled blocks
+    (``block_scale``); on a whole graph the ratio of its work to that of the graph whose class
+    the trial decides for (1 on that graph itself), so the turns taken on a class's graphs of
+    different sizes compare."""
+    if call.gi.is_block:
+        return block_scale(call)
+    size = next((home["size"] for home, key in trial.homes if key == "decision"), None)
+    return 1.0 if size is None else _graph_work(call) / size
+
+
 def leaf_vals_order(plan):
     return [v for v, l in plan.leaves.items() if l.source[0] not in COMPUTED]
 
@@ -1433,12 +1520,47 @@ def _run_guards(state, lir, gi, values, module):
             continue
         ns = dict(module_globals)
         ns.update(values)
+        ns[graph_name] = _CheckedGraph(values[graph_name], gi)
         ns["self"] = module
         # a check that fails raises here; the dispatcher then runs the original forward,
         # which raises the layer's own error
         exec(check_code(text, "exec"), ns)
         if graph_only:
             per_graph[gkey] = True
+
+
+class _CheckedGraph:
+    """The graph as a layer's checks kept from its source read it (``_run_guards``): its
+    ``in_degrees()`` and ``out_degrees()`` (of every node) are counted by the pass that builds
+    the index granii's kernels read (``graph_index``), not by DGL, which on a new graph builds an
+    index of its own for them (``(graph.in_degrees() == 0).any()``, the zero in-degree check of
+    GraphConv, GATConv and SGConv); anything else is read from the graph itself."""
+    __slots__ = ("_graph", "_gi")
+
+    def __init__(self, graph, gi):
+        self._graph, self._gi = graph, gi
+
+    def in_degrees(self, *args, **kwargs):
+        if args or kwargs or not hasattr(self._graph, "idtype"):
+            return self._graph.in_degrees(*args, **kwargs)
+        return graph_index(self._gi).in_degrees().to(self._graph.idtype)
+
+    def out_degrees(self, *args, **kwargs):
+        if args or kwargs or not hasattr(self._graph, "idtype"):
+            return self._graph.out_degrees(*args, **kwargs)
+        return graph_index(self._gi).out_degrees().to(self._graph.idtype)
+
+    def __getattr__(self, name):
+        return getattr(self._graph, name)
+
+
+def graph_index(gi):
+    """``gi`` after building the native kernels' index of its graph (when they are built): one
+    pass that also counts both degree vectors (``native.csr_index``), so ``gi.in_degrees()`` and
+    ``gi.out_degrees()`` read those, and the plans find the index made."""
+    if native.available():
+        native.csr_index(gi)
+    return gi
 
 
 def _bind(state, compiled, gi, values, module):
@@ -1469,8 +1591,9 @@ def _bind(state, compiled, gi, values, module):
     known = compiled.symbols.get(shapes)
     if known is None:
         known = _symbols(state, compiled, gi, out, values, module)
-        if len(compiled.symbols) < 64:
-            compiled.symbols[shapes] = known
+        if len(compiled.symbols) >= 64:      # graphs of many sizes (a new batch per call)
+            compiled.symbols.clear()
+        compiled.symbols[shapes] = known
     return out, known
 
 

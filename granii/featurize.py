@@ -195,3 +195,20 @@ def featurize(gi, sizes):
             p = float(sizes[a]) * float(sizes[b])
             vals += [p, dst * p, src * p, math.log2(1 + dst * p)]
     return np.array([g[name] for name in FEATURE_NAMES] + vals, dtype=np.float64)
+
+
+def class_shape(n, e, in_deg, out_deg):
+    """What places a whole graph in a class of graphs one decision serves (``dispatch``): with
+    ``n`` nodes, ``e`` edges and float degree vectors ``in_deg``, ``out_deg``,
+
+        (log2(1 + n), log2(1 + e), log2(1 + max in_deg), log2(1 + max out_deg),
+         log2(1 + std in_deg))
+
+    Two graphs are alike when every coordinate differs by at most a set slack: sizes, largest
+    degrees and the spread of the in-degrees within a factor. ``O(n)``, on degree vectors the
+    kernels' index already counted."""
+    if n == 0 or e == 0:
+        return (math.log2(1 + n), math.log2(1 + e), 0.0, 0.0, 0.0)
+    d_in, d_out = in_deg.numpy(), out_deg.numpy()
+    return (math.log2(1 + n), math.log2(1 + e), math.log2(1 + float(d_in.max())),
+            math.log2(1 + float(d_out.max())), math.log2(1 + float(d_in.std())))

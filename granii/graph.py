@@ -139,10 +139,25 @@ class GraphInfo:
         self.cache[key] = value
         return value
 
+    def csc(self):
+        """``(indptr, src_indices, eids)`` of ``A`` (one row per destination) in the graph's index
+        type: DGL's in-edge index when the graph has made it (a sampled block comes with it);
+        otherwise counted from its edge list, which is all a new ``dgl.batch`` or ``dgl.graph``
+        holds, by one counting sort (``edge_list_csc``): DGL building its index costs
+        several times that. Not cached: a caller keeps what it derives."""
+        g = self.g
+        made = g.formats()["created"] if hasattr(g, "formats") else ()
+        if "coo" in made and "csc" not in made:
+            u, v = g.edges(order="eid")
+            built = edge_list_csc(u, v, self.num_dst)
+            if built is not None:
+                return built
+        return g.adj_tensors("csc")
+
     def csr_in(self):
         """``(indptr, src_indices, eids)``: ``A`` with one row per destination node."""
         def make():
-            indptr, indices, eids = self.g.adj_tensors("csc")
+            indptr, indices, eids = self.csc()
             return indptr.long(), indices.long(), eids.long()
         return self.memo("csr_in", make)
 
@@ -154,8 +169,11 @@ class GraphInfo:
         return self.memo("csr_out", make)
 
     def in_degrees(self):
-        """Float in-degrees of the destination nodes, ``A 1``."""
-        return self.memo("in_deg", lambda: self.g.in_degrees().float())
+        """Float in-degrees of the destination nodes, ``A 1``: the row lengths of ``csr_in``."""
+        def make():
+            indptr = self.csr_in()[0]
+            return (indptr[1:] - indptr[:-1]).float()
+        return self.memo("in_deg", make)
 
     def out_degrees(self):
         """Float out-degrees of the source nodes, ``A^T 1``: counted over the in-edge index (a
@@ -164,7 +182,7 @@ class GraphInfo:
         def make():
             import dgl                      # only a DGL graph gets here: DGL is loaded
             try:
-                _, src, _ = self.g.adj_tensors("csc")
+                _, src, _ = self.csc()
             except dgl.DGLError:            # a graph restricted to other formats
                 return self.g.out_degrees().float()
             return torch.bincount(src, minlength=self.num_src).float()
@@ -182,6 +200,31 @@ class GraphInfo:
             u, v = self.g.edges(order="eid")
             return u.long(), v.long()
         return self.memo("edges", make)
+
+
+def edge_list_csc(src, dst, num_dst):
+    """``(indptr, src_indices, eids)`` of ``A`` from the edge list ``(src, dst)`` in edge-id
+    order, in its integer type; ``None`` without the native extension (or for other index types).
+
+    The edge list is the CSR of an ``E x num_dst`` matrix with one entry per row (row ``e`` holds
+    column ``dst[e]``, and carries ``src[e]`` as its edge id): its transpose, one counting sort
+    over the edges (``granii::csr_transpose``), has a row per destination listing the edge ids
+    (rows of the edge list, ascending) and, as their edge ids, the sources."""
+    op = getattr(getattr(torch.ops, "granii", None), "csr_transpose", None) \
+        if _native_loaded() else None
+    if op is None or src.dtype not in (torch.int32, torch.int64) or dst.dtype != src.dtype:
+        return None
+    rows = torch.arange(len(src) + 1, dtype=src.dtype)
+    indptr, eids, indices, _ = op(rows, dst.contiguous(), src.contiguous(), num_dst)
+    return indptr, indices, eids
+
+
+def _native_loaded():
+    """Whether granii's native extension is loaded (imported with the kernels; graph.py does
+    not import them)."""
+    import sys
+    native = sys.modules.get("granii.kernels.native")
+    return native is not None and native.available()
 
 
 _INFOS = weakref.WeakKeyDictionary()

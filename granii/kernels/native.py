@@ -181,7 +181,7 @@ def csr_index(gi, which="a"):
             return CsrIndex(indptr, indices, eids, gi.num_src, gi.num_dst, pos)
         small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
         indptr, indices, eids, out_deg, in_deg = torch.ops.granii.csr_narrow(
-            *(t.long().contiguous() for t in gi.g.adj_tensors("csc")), gi.num_src, small)
+            *(t.long().contiguous() for t in gi.csc()), gi.num_src, small)
         gi.set_degrees(out_deg, in_deg)
         return CsrIndex(indptr, indices, eids, gi.num_dst, gi.num_src)
     return gi.memo(("native_csr", which), make)

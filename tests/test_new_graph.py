@@ -1,0 +1,269 @@
+"""A new graph object at every call (graph classification: a new ``dgl.batch`` each step).
+
+A layer decides once per class of graphs (sizes and degree statistics within a factor) and
+reuses that decision, tie-break included, for the later graphs of the class; a graph unlike the
+class decides anew. Every call equals DGL's layer, outputs and gradients, training and eval.
+"""
+import copy
+import gc
+import sys
+import tracemalloc
+from pathlib import Path
+
+import dgl
+import pytest
+import torch
+from dgl.nn import GATConv, GINConv, GraphConv, SAGEConv, SGConv, TAGConv
+from torch import nn
+
+from granii import dispatch, granii
+from granii.api import layer_states
+from granii.graph import _INFOS, edge_list_csc, graph_info
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.graph_classification import GIN, DATASETS, collate, dataset  # noqa: E402
+
+K = 8
+LAYERS = {
+    "gcn": (lambda: GraphConv(K, K, norm="both"), True),
+    "sage": (lambda: SAGEConv(K, K, "mean"), False),
+    "gin": (lambda: GINConv(nn.Linear(K, K), "sum"), False),
+    "gat": (lambda: GATConv(K, 4, num_heads=2), True),
+    "sgc": (lambda: SGConv(K, K, k=2), True),
+    "tagcn": (lambda: TAGConv(K, K, k=2), False),
+}
+
+
+def new_graph(seed, n=300, e=2400, loops=False):
+    dgl.seed(seed)
+    g = dgl.rand_graph(n, e)
+    return dgl.add_self_loop(g) if loops else g
+
+
+def twin(g):
+    """Another graph object with ``g``'s edges (in their order): nothing built for ``g`` is
+    shared with it."""
+    return dgl.graph(g.edges(order="eid"), num_nodes=g.num_nodes())
+
+
+@pytest.fixture
+def rankings(monkeypatch):
+    """How many times a layer ranked its plans (``select.rank`` as the dispatcher calls it)."""
+    count = [0]
+    real = dispatch.rank
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(dispatch, "rank", counted)
+    return count
+
+
+def _call(layer, g, x, training):
+    if training:
+        x = x.detach().clone().requires_grad_()
+        out = layer(g, x)
+        out.sum().backward()
+        return out.detach(), x.grad
+    with torch.no_grad():
+        return layer(g, x), None
+
+
+def _close(a, b):
+    scale = a.abs().max().clamp(min=1.0)
+    return float((a - b).abs().max() / scale) < 1e-4
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_new_graph_each_call_reuses_one_decision(name, training, rankings):
+    make, loops = LAYERS[name]
+    torch.manual_seed(0)
+    ref = make()
+    opt = copy.deepcopy(ref)
+    if not training:
+        ref.eval()
+        opt.eval()
+    g0 = new_graph(0, loops=loops)
+    with torch.set_grad_enabled(training):      # features as the calls' (a hidden layer's)
+        granii(opt, g0, torch.randn(g0.num_nodes(), K, requires_grad=training))
+    assert rankings[0] == 1
+    calls = 14                  # the tie-break's turns, and calls after it
+    for i in range(calls):
+        g = new_graph(100 + i, loops=loops)
+        x = torch.randn(g.num_nodes(), K)
+        ref.zero_grad()
+        opt.zero_grad()
+        out_ref, dx_ref = _call(ref, g, x, training)
+        out, dx = _call(opt, twin(g), x, training)
+        assert _close(out_ref, out), (name, i)
+        if training:
+            assert _close(dx_ref, dx), (name, i)
+            for (pn, p_ref), p in zip(ref.named_parameters(), opt.parameters()):
+                assert _close(p_ref.grad, p.grad), (name, i, pn)
+    st = layer_states(opt)[0]
+    assert rankings[0] == 1, f"{name}: ranked {rankings[0]} times over {calls} new graphs"
+    assert st.ranked == 1
+    assert st.class_reused == calls
+    assert st.fallback is None
+
+
+def test_the_tie_break_runs_across_new_graphs_and_its_verdict_serves_the_class(rankings):
+    torch.manual_seed(0)
+    layer = GraphConv(K, K)
+    granii(layer, new_graph(0, loops=True), torch.randn(300, K))
+    st = layer_states(layer)[0]
+    [records] = list(st.classes.values())
+    [record] = records
+    assert isinstance(record["decision"], dispatch.Trial)
+    for i in range(40):
+        g = new_graph(10 + i, loops=True)
+        layer(g, torch.randn(g.num_nodes(), K)).sum().backward()
+    kept = record["decision"]
+    assert not isinstance(kept, dispatch.Trial), "the trial should be over after 40 graphs"
+    assert st.tuned is not None and st.tuned[1] == kept[0]
+    g = new_graph(99, loops=True)
+    layer(g, torch.randn(g.num_nodes(), K))
+    assert any(d is kept for d in st.decisions[graph_info(g)].values())
+    assert rankings[0] == 1
+
+
+def test_a_graph_of_another_class_decides_anew(rankings):
+    torch.manual_seed(0)
+    layer = SAGEConv(K, K, "mean")
+    with torch.no_grad():
+        granii(layer.eval(), new_graph(0), torch.randn(300, K))
+        assert rankings[0] == 1
+        layer(new_graph(1, n=320, e=2500), torch.randn(320, K))      # within the class
+        assert rankings[0] == 1
+        big = new_graph(2, n=3000, e=24000)                           # ten times the sizes
+        layer(big, torch.randn(3000, K))
+        assert rankings[0] == 2
+        # the same sizes, but every edge into a few nodes: other degree statistics
+        src = torch.randint(0, 300, (2400,))
+        dst = torch.randint(0, 5, (2400,))
+        skewed = dgl.graph((src, dst), num_nodes=300)
+        x = torch.randn(300, K)
+        assert _close(type(layer).forward(layer, skewed, x), layer(skewed, x))
+        assert rankings[0] == 3
+        layer(new_graph(3), torch.randn(300, K))                      # the first class again
+        layer(new_graph(4, n=2900, e=23000), torch.randn(2900, K))    # the second again
+        assert rankings[0] == 3
+    st = layer_states(layer)[0]
+    assert st.ranked == 3 and st.class_reused == 3
+
+
+def test_zero_in_degree_check_on_a_new_graph_raises_as_dgl():
+    torch.manual_seed(0)
+    layer = GraphConv(K, K)
+    granii(layer, new_graph(0, loops=True), torch.randn(300, K))
+    g = new_graph(5)                               # no self-loops: nodes of in-degree 0
+    assert (g.in_degrees() == 0).any()
+    with pytest.raises(dgl.DGLError, match="0-in-degree"):
+        layer(new_graph(5), torch.randn(300, K))
+
+
+@pytest.mark.parametrize("idtype", [torch.int32, torch.int64])
+def test_index_counted_from_the_edge_list_is_dgls(idtype):
+    g = dgl.rand_graph(200, 1500, idtype=idtype)
+    u, v = g.edges(order="eid")
+    indptr, src, eids = edge_list_csc(u, v, 200)
+    d_indptr, d_src, d_eids = g.adj_tensors("csc")
+    assert indptr.dtype == idtype and torch.equal(indptr, d_indptr)
+
+    def entries(ip, s, e):
+        rows = torch.repeat_interleave(torch.arange(200), (ip[1:] - ip[:-1]).long())
+        return sorted(zip(rows.tolist(), s.tolist(), e.tolist()))
+    assert entries(indptr, src, eids) == entries(d_indptr, d_src, d_eids)
+    g2 = dgl.rand_graph(200, 1500, idtype=idtype)
+    info = graph_info(g2)
+    counted = info.in_degrees(), info.out_degrees()
+    assert "csc" not in g2.formats()["created"]     # counted without DGL's index
+    assert torch.equal(counted[0], g2.in_degrees().float())
+    assert torch.equal(counted[1], g2.out_degrees().float())
+
+
+@pytest.mark.parametrize("name", ["mutag", "proteins"])
+def test_gin_example_model_on_batched_graphs(name, rankings):
+    """DGL's GIN example model, a new ``dgl.batch`` each step: training steps (Adam) and
+    evaluation equal DGL's, loss and gradients, with one ranking per layer and graph class."""
+    stats = DATASETS[name]
+    torch.manual_seed(0)
+    ref = GIN(stats["labels"], 16, stats["classes"])
+    opt = copy.deepcopy(ref)
+    g0, f0, _ = collate_again(name, 0)
+    granii(opt, g0, f0)
+    optim = torch.optim.Adam(ref.parameters(), lr=0.01)
+    loss_fcn = nn.CrossEntropyLoss()
+    for step in range(8):
+        losses = []
+        for model in (ref, opt):
+            g, feat, labels = collate_again(name, step)
+            model.train()
+            model.zero_grad()
+            torch.manual_seed(step)                 # the same dropout masks
+            loss = loss_fcn(model(g, feat), labels)
+            loss.backward()
+            losses.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        optim.step()
+        # each step compared from the same weights (float differences would grow over steps)
+        opt.load_state_dict(ref.state_dict())
+        (l_ref, g_ref), (l_opt, g_opt) = losses
+        assert _close(l_ref, l_opt), step
+        for a, b in zip(g_ref, g_opt):
+            assert _close(a, b), step
+    for step in range(3):
+        outs = []
+        for model in (ref, opt):
+            g, feat, _ = collate_again(name, step)
+            model.eval()
+            outs.append(model(g, feat).detach())
+        assert _close(*outs)
+    layers = len(layer_states(opt))
+    # training steps: the first batches' class (and perhaps a second, the batches' sizes
+    # scatter); evaluation: its own mode
+    assert rankings[0] <= 3 * layers, rankings[0]
+    assert sum(s.class_reused for s in layer_states(opt)) >= layers * 8
+
+
+_COLLATED = {}
+
+
+def collate_again(name, step):
+    """Batch ``step`` of ``_batches(name, 8, 24)`` as a new graph object (a loader collates
+    anew each time)."""
+    if name not in _COLLATED:
+        _COLLATED[name] = dataset(name, 0)[:8 * 24]
+    return collate(_COLLATED[name][step * 24:(step + 1) * 24])
+
+
+def test_memory_stays_flat_over_many_new_graphs():
+    """Once-per-graph caches die with their graphs, and what a layer keeps per decision does
+    not grow with the number of graphs seen."""
+    torch.manual_seed(0)
+    layer = GraphConv(K, K)
+    granii(layer, new_graph(0, n=40, e=160, loops=True), torch.randn(40, K))
+    st = layer_states(layer)[0]
+
+    def run(lo, hi):
+        for i in range(lo, hi):
+            n = 30 + i % 23                          # sizes as a loader's batches scatter
+            g = new_graph(i, n=n, e=4 * n + i % 37, loops=True)
+            layer(g, torch.randn(n, K)).sum().backward()
+    run(1, 300)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    run(300, 1300)
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    assert grown < 256 * 1024, f"{grown} bytes more after 1000 new graphs"
+    assert len(_INFOS) < 20
+    assert len(st.decisions) < 20 and len(st.fast) < 20
+    assert len(st.verified) <= dispatch._VERIFIED_KEPT
+    assert st.ranked <= 3

@@ -118,3 +118,35 @@ def test_kept_reads_the_plan_a_layer_runs():
     assert st.last[2].plan.index == du._plan_index(st, index)
     assert impls == tuple(st.last[2].impls)
     assert du._key([st.last[2].plan], index, impls).endswith(",".join(impls))
+
+
+def test_copies_of_one_steady_work_count_as_one():
+    """Two candidates that run the same work on every call (they differ in work kept between
+    calls) get the mean of their times: the fastest is not the luckier copy."""
+    rows = [_row("g1", {"a": 1.0, "a2": 1.4, "b": 1.3, du.DGL: 3.0}, "a2", "b")]
+    details = _details(rows)
+    for d in details:
+        d["steady"] = {"a": "w", "a2": "w"}.get(d["candidate"], d["candidate"])
+    rec = du.score(rows, details)[0]
+    assert rec["granii + tie-break"] == pytest.approx(1.2 / 1.2)
+    assert rec["granii, model only"] == pytest.approx(1.3 / 1.2)
+
+
+def test_steady_work_of_fixed_features():
+    """On fixed features GraphConv's aggregation is kept between calls when it is done first:
+    then every such plan runs one GEMM per call, whatever kernel aggregated."""
+    from dgl.nn import GraphConv
+
+    from granii.dispatch import new_state, prepare
+    g = du.knn(300, 4, seed=0)
+    x = torch.randn(300, 8)
+    layer = GraphConv(8, 16, norm="both").eval()
+    with torch.no_grad():
+        call = prepare(new_state(layer), layer, (g, x), {})
+    works = {}
+    for plan in call.compiled.plans:
+        impls = tuple("torch" if s.sig is not None else "inline" for s in plan.steps)
+        works.setdefault(du.steady_work(plan, impls), []).append(plan.composition())
+    first = [w for w, comps in works.items() if all(c.endswith("gemm") for c in comps)]
+    assert first and "'gemm'" in first[0] and "spmm" not in first[0]
+    assert len(works) >= 2                      # multiplying first aggregates on every call

@@ -57,6 +57,7 @@ measurements under ``flock -x /tmp/granii-cpu.lock``.
 """
 import argparse
 import copy
+import json
 import math
 import sys
 import time
@@ -88,6 +89,9 @@ from bench.load import OthersMeter  # noqa: E402
 from bench.measure import Runner, plan_candidates, plan_key  # noqa: E402
 
 SETTLE_CALLS = 40
+# (margin, most plans) of ``select.trial_candidates`` whose candidate sets each row records, so
+# other tie-break settings can be scored on the same timings (``emulate``)
+TRIAL_SETS = ((1.3, 2), (1.5, 3), (2.0, 4))
 DGL = "dgl-layer"
 LAYERS = ("gcn", "gin", "sage", "gat4")
 SIZES = ((32, 256), (256, 32), (64, 64), (512, 128))
@@ -448,10 +452,16 @@ def measure_config(spec, g, model, k_in, k_out, training, cost_model, repeat=5, 
             c = next(c for c in tr.candidates + tr.dropped if c[0] == label)
             k = DGL if c[1] is None else _key(all_plans, _index(c[0]), c[3])
             trial_med[k] = med
-    predicted = {}
+    predicted, trial_sets = {}, {}
     if st.last is not None:
+        from granii.select import trial_candidates
         for c in st.last[1]:
             predicted[_key(all_plans, c.plan.index, c.impls)] = c.cost
+        for margin, most in TRIAL_SETS:
+            trial_sets[f"{margin}/{most}"] = [_key(all_plans, c.plan.index, c.impls) for c in
+                                              trial_candidates(st.last[1], margin, most)]
+    samples = {k: v[1] for k, v in res.items()}
+    samples[DGL] = samples["dgl"] + samples["dgl#2"]
     row = dict(graph=spec.name, family=spec.family, nodes=g.num_nodes(), edges=g.num_edges(),
                model=model, k_in=k_in, k_out=k_out,
                mode="training" if training else "inference",
@@ -463,7 +473,8 @@ def measure_config(spec, g, model, k_in, k_out, training, cost_model, repeat=5, 
                model_ms=times.get(key_model, float("nan")) * 1e3,
                trial=" || ".join(trial_keys), fastest_in_trial=fastest in trial_keys,
                trial_ratio=_trial_ratio(trial_med, times),
-               settle_calls=calls, decide_s=decide_s, others_cores=others.cores)
+               settle_calls=calls, decide_s=decide_s, others_cores=others.cores,
+               trial_sets=json.dumps(trial_sets))
     detail = [dict(graph=spec.name, model=model, k_in=k_in, k_out=k_out, mode=row["mode"],
                    candidate=k, steady_ms=t[k] * 1e3 if k in t else times[k] * 1e3,
                    min_ms=(t_min[k] if k in t_min else min(t_min["dgl"], t_min["dgl#2"])) * 1e3,
@@ -471,7 +482,8 @@ def measure_config(spec, g, model, k_in, k_out, training, cost_model, repeat=5, 
                    trial_ms=trial_med.get(k, float("nan")) * 1e3,
                    tag=plans[k][2] if k in plans else "", in_trial=k in trial_keys,
                    steady=steady_work(*plans[k][:2]) if k in plans else DGL,
-                   tuned=k == key_tuned, model_pick=k == key_model)
+                   tuned=k == key_tuned, model_pick=k == key_model,
+                   samples_ms=";".join(f"{x * 1e3:.4f}" for x in samples[k]))
               for k in times]
     detail += [dict(graph=spec.name, model=model, k_in=k_in, k_out=k_out, mode=row["mode"],
                     candidate=k, steady_ms=t[k] * 1e3, min_ms=t_min[k] * 1e3)
@@ -629,9 +641,57 @@ def score(rows, details):
             "fixed per sizes": _time(r, per_sizes) / best if per_sizes else float("nan"),
             "DGL layer": r["t"][DGL] / best,
             "fixed_per_layer_pick": per_layer, "fixed_per_sizes_pick": per_sizes,
-            "fastest_ms": best})
+            "fastest": min(r["t"], key=r["t"].get), "fastest_ms": best,
+            "fastest_in_trial": any(r["t"].get(k) == best for k in r["trial"].split(" || "))})
         out.append(rec)
     return out
+
+
+EMULATED = (("1.3/2", "median", 3), ("1.3/2", "min", 3), ("1.5/3", "median", 3),
+            ("1.5/3", "min", 3), ("2.0/4", "min", 3))
+
+
+def emulate(rows, details, sets=EMULATED, margin=0.05):
+    """``{(set, statistic, calls): [regret per configuration]}``: the tie-break replayed on the
+    study's own rounds: the candidates ``select.trial_candidates`` gives with that (margin, most
+    plans) and DGL's layer, each judged by the statistic of its first ``calls`` rounds, a plan
+    kept over DGL's layer only when ``margin`` faster (as ``Trial.winner``); regret against the
+    fastest candidate (copies of one steady work merged, ``score``). The rounds it judges by are
+    among those the steady times are the median of, so it flatters every setting alike."""
+    samples = {}
+    for d in details:
+        if d.get("samples_ms"):
+            cfg = (d["graph"], d["model"], d["k_in"], d["k_out"], d["mode"])
+            samples.setdefault(cfg, {})[d["candidate"]] = [float(x) for x in
+                                                           d["samples_ms"].split(";")]
+    stat = {"median": lambda v: sorted(v)[len(v) // 2], "min": min}
+    out = {}
+    for r in rows:
+        cfg = (r["graph"], r["model"], r["k_in"], r["k_out"], r["mode"])
+        sets_here = json.loads(r["trial_sets"])
+        for name, how, calls in sets:
+            cands = [k for k in sets_here.get(name, []) if k in samples[cfg]] + [DGL]
+            judged = {k: stat[how](samples[cfg][k][:calls]) for k in cands}
+            pick = min(judged, key=judged.get)
+            if judged[pick] > (1 - margin) * judged[DGL]:
+                pick = DGL
+            out.setdefault((name, how, calls), []).append(
+                (r["model"], r["mode"], _time(r, pick) / min(r["t"].values())))
+    return out
+
+
+def emulate_lines(emulated):
+    groups = sorted({(m, mode) for v in emulated.values() for m, mode, _ in v})
+    lines = ["| candidates (margin / most plans) | judged by | " +
+             " | ".join(f"{m} {mode}" for m, mode in groups) + " | all |",
+             "|---|---|" + "---:|" * (len(groups) + 1)]
+    for (name, how, calls), v in emulated.items():
+        cells = [v2 for v2 in (geomean([x for m, mode, x in v if (m, mode) == g]) for g in groups)]
+        worst = [max(x for m, mode, x in v if (m, mode) == g) for g in groups]
+        lines.append(f"| {name} | {how} of {calls} | " + " | ".join(
+            f"{c:.3f} / {w:.2f}" for c, w in zip(cells, worst)) +
+            f" | {geomean([x for *_, x in v]):.3f} / {max(x for *_, x in v):.2f} |")
+    return lines
 
 
 def _short(key):
@@ -694,7 +754,10 @@ def write_report(out, recs, rows, details, notes, extra=()):
              f"two differed by up to {noise[int(0.9 * (len(noise) - 1))]:.2f}x in 90% of "
              f"configurations (median {noise[len(noise) // 2]:.2f}x): the run's noise.", "",
              *summary_lines(recs), "", "### Worst configurations of granii + tie-break", "",
-             *worst_lines(recs), *extra, ""]
+             *worst_lines(recs), "", "### Tie-break settings replayed on these timings", "",
+             "`emulate`: each setting's candidates and DGL's layer judged on the study's own "
+             "rounds (geomean / worst regret). The first row is granii's setting.", "",
+             *emulate_lines(emulate(rows, details)), *extra, ""]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return lines
 

@@ -70,7 +70,8 @@ def _row(graph, t, tuned, model_pick, sizes=(32, 256)):
     return dict(graph=graph, family="f", nodes=1, edges=1, model="gcn", k_in=sizes[0],
                 k_out=sizes[1], mode="inference", fastest=min(t, key=t.get), tuned=tuned,
                 model_pick=model_pick, fastest_in_trial=True, trial_ratio=1.0, noise=1.0,
-                settle_calls=1, others_cores=0.0, granii_ms=1e3 * t[tuned], _t=t)
+                settle_calls=1, others_cores=0.0, granii_ms=1e3 * t[tuned], _t=t,
+                trial=" || ".join(k for k in t if k != du.DGL))
 
 
 def _details(rows):
@@ -150,3 +151,21 @@ def test_steady_work_of_fixed_features():
     first = [w for w, comps in works.items() if all(c.endswith("gemm") for c in comps)]
     assert first and "'gemm'" in first[0] and "spmm" not in first[0]
     assert len(works) >= 2                      # multiplying first aggregates on every call
+
+
+def test_emulated_tie_break_judges_its_own_candidates():
+    """The replay picks among a setting's candidates and DGL's layer only: with plan ``a``
+    outside the narrow set the narrow setting keeps ``b``; DGL's layer stays unless a plan is
+    5% faster."""
+    import json
+    t = {"a": 1.0, "b": 1.5, du.DGL: 1.52}
+    rows = [_row("g1", dict(t), "b", "b")]
+    rows[0]["trial_sets"] = json.dumps({"1.3/2": ["b"], "1.5/3": ["a", "b"]})
+    details = _details(rows)
+    for d in details:
+        d["samples_ms"] = ";".join(str(t[d["candidate"]] * f) for f in (1.0, 1.1, 3.0))
+    du.score(rows, details)
+    got = du.emulate(rows, details, sets=(("1.3/2", "min", 3), ("1.5/3", "median", 3)))
+    assert got[("1.3/2", "min", 3)] == [("gcn", "inference", pytest.approx(1.52))]  # b not 5%
+    assert got[("1.5/3", "median", 3)] == [("gcn", "inference", pytest.approx(1.0))]
+    assert du.emulate_lines(got)[2].startswith("| 1.3/2 | min of 3 | 1.520 / 1.52")

@@ -1217,3 +1217,40 @@ def test_a_native_build_from_other_sources_is_refused_before_it_is_loaded(tmp_pa
     built.sources_sha = "h" + "1" * 16
     with pytest.warns(native.NativeKernelsUnavailable, match="bash scripts/env.sh"):
         assert native._load()[0] is None
+
+
+# -- granii's warnings in the tests -------------------------------------------------------------------
+def test_a_plan_that_raises_warns_runs_dgls_forward_and_says_why(monkeypatch):
+    """A plan that raises on its first run: the call runs the layer's own forward (DGL's result),
+    with a RuntimeWarning, and the record says it was a fallback and why. The test suite turns
+    that warning into an error everywhere else (pyproject.toml): no test expects one."""
+    import granii.dispatch as dispatch
+    from granii.api import what_ran
+    real = dispatch.compile_plan
+
+    def broken(plan, impls):
+        fn, code = real(plan, impls)
+
+        def raising(*args):
+            raise ValueError("a broken kernel")
+        return raising, code
+    monkeypatch.setattr(dispatch, "compile_plan", broken)
+    g = _graph()
+    x = torch.randn(g.num_nodes(), 12)
+    torch.manual_seed(0)
+    layer = GraphConv(12, 5)
+    want = copy.deepcopy(layer)(g, x)
+    with pytest.warns(RuntimeWarning, match="raised ValueError: a broken kernel; running the "
+                                            "original forward"):
+        granii(layer, g, x, cost_model=AnalyticalCost(), tune=False)
+        torch.testing.assert_close(layer(g, x), want)
+    ran = what_ran(layer)["GraphConv"]
+    assert ran.kind == "fallback" and "a broken kernel" in ran.reason
+
+
+def test_the_suite_fails_on_a_plan_that_raises():
+    """pyproject.toml's filters: granii's warning that a plan raised is an error in the tests."""
+    import warnings
+    with pytest.raises(RuntimeWarning):
+        warnings.warn("granii: layer 'conv': plan [0] raised ValueError: x; running the original "
+                      "forward from now on for this input", RuntimeWarning)

@@ -502,7 +502,8 @@ def load(path, fingerprint=None, check=True):
     Refuses (``CostModelError``, naming the fix) a folder without a readable manifest, one made on
     another machine or setup (``fingerprint``: the expected one, by default this machine's at the
     current torch thread count; not checked with ``check=False``, for a transfer), one trained for
-    another feature set, and damaged model files.
+    another feature set, and missing or damaged model files (a file whose parsed form is cached
+    under its manifest hash is not read: its model comes from the cache).
     """
     path = Path(path)
     manifest = _read_manifest(path)
@@ -525,14 +526,7 @@ def load(path, fingerprint=None, check=True):
                 f"({len(entry.get('features') or [])} features, {len(want)} now): re-run {FIX}")
         fpath = path / entry.get("file", model_file(prim, impl, phase))
         if entry.get("sha256"):      # checked now, parsed when a call first needs it
-            try:
-                same = file_sha256(fpath) == entry["sha256"]
-            except OSError as e:
-                raise CostModelError(f"granii: cost-model file {fpath} is missing or damaged "
-                                     f"({e.strerror}): re-run {FIX}") from None
-            if not same:
-                raise CostModelError(f"granii: cost-model file {fpath} is damaged (its SHA-256 "
-                                     f"differs from the manifest's): re-run {FIX}")
+            _check_file(fpath, entry["sha256"])
             models[phase][(prim, impl)] = _LazyTrees(fpath, len(want), entry["sha256"])
         else:                        # folders made before the manifest kept hashes
             models[phase][(prim, impl)] = read_trees(fpath, len(want))
@@ -545,18 +539,44 @@ def file_sha256(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
+def _check_file(fpath, sha256, data=None):
+    """``CostModelError`` unless the model file ``fpath`` is there and its bytes (``data`` when
+    read already) have the manifest's ``sha256``. A file whose parsed form is cached under that
+    hash is only looked for: the model is read from the cache, never from the file (which
+    ``read_trees`` checks before parsing it, should the cache be gone by then)."""
+    if data is None and trees_cache(sha256).is_file() and Path(fpath).is_file():
+        return
+    try:
+        same = hashlib.sha256(Path(fpath).read_bytes() if data is None else data).hexdigest() \
+            == sha256
+    except OSError as e:
+        raise CostModelError(f"granii: cost-model file {fpath} is missing or damaged "
+                             f"({e.strerror}): re-run {FIX}") from None
+    if not same:
+        raise CostModelError(f"granii: cost-model file {fpath} is damaged (its SHA-256 "
+                             f"differs from the manifest's): re-run {FIX}")
+
+
 def read_trees(fpath, n_features, sha256=None):
     """The ``Trees`` of one model file, or ``CostModelError`` naming the file and the fix. With
-    the file's ``sha256`` (checked against the manifest), its arrays are read from the cache of
-    parsed models when there, and put there when not: a process then reads a few small binary
-    files instead of parsing megabytes of JSON."""
+    the manifest's ``sha256`` of the file, its arrays are read from the cache of parsed models
+    when there, and otherwise parsed from the file (after checking its bytes have that hash) and
+    put there: a process then reads a few small binary files instead of hashing and parsing
+    megabytes of JSON."""
     trees = _cached_trees(sha256)
     if trees is not None and trees.num_features == n_features:
         return trees
     try:
-        trees = Trees(json.loads(Path(fpath).read_text()))
+        data = Path(fpath).read_bytes()
+    except OSError as e:
+        raise CostModelError(f"granii: cost-model file {fpath} is missing or damaged "
+                             f"({e.strerror}): re-run {FIX}") from None
+    if sha256:                      # the cache is keyed by the bytes parsed: check them first
+        _check_file(fpath, sha256, data)
+    try:
+        trees = Trees(json.loads(data))
         n_feat = trees.num_features
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+    except (ValueError, KeyError, TypeError, IndexError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CostModelError(
             f"granii: cost-model file {fpath} is missing or damaged ({first[:200]}): "

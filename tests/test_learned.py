@@ -86,6 +86,13 @@ def model_dir(tmp_path_factory):
     return out
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(monkeypatch, tmp_path):
+    """Each test parses and caches models under a cache of its own (a model cached by another
+    test, or by the user's runs, is not read from its file at load)."""
+    monkeypatch.setenv("GRANII_CACHE", str(tmp_path / "granii-cache"))
+
+
 @pytest.fixture
 def copy_dir(model_dir, tmp_path):
     dst = tmp_path / model_dir.name
@@ -438,6 +445,37 @@ def test_shipped_folders_store_what_their_models_predict():
         assert stored is not None, f"{folder.name} stores no predictions of the reference calls"
         assert stored == pytest.approx(calibration.predicted(load(folder, check=False)),
                                        rel=1e-6)
+
+
+def test_model_files_cached_by_their_hash_are_not_read_at_load(copy_dir, tmp_path, monkeypatch):
+    """Once a model's parsed form is cached under its manifest hash, loading reads none of the
+    JSON (it only looks for the file); without the cache a damaged file is refused at load, and a
+    damaged file whose cache is gone by its first use is never parsed: priced as missing."""
+    monkeypatch.setenv("GRANII_CACHE", str(tmp_path / "cache"))
+    args = ("gemm", "torch", _info(), {"m": 500, "k": 64, "n": 32})
+    lc = load(copy_dir)
+    want = lc.predict(*args)
+    for key in list(lc.trees) + list(lc.train_trees):
+        lc.trees.get(key), lc.train_trees.get(key)               # every model parsed, cached
+    read = []
+    real_read = learned.Path.read_bytes
+    monkeypatch.setattr(learned.Path, "read_bytes",
+                        lambda self: read.append(self.name) or real_read(self))
+    again = load(copy_dir)
+    assert read == [] and again.predict(*args) == want
+    monkeypatch.setattr(learned.Path, "read_bytes", real_read)
+    path = copy_dir / "gemm__torch.json"
+    path.write_text(path.read_text()[:-10] + "1" * 10)            # damaged, same size
+    sha = json.loads((copy_dir / MANIFEST).read_text())["models"]["gemm/torch"]["sha256"]
+    later = load(copy_dir)                                         # cached: not read
+    learned.trees_cache(sha).unlink()
+    with pytest.raises(CostModelError, match="gemm__torch.json is damaged"):
+        load(copy_dir)                                             # not cached: refused
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = later.predict(*args)
+    assert any("gemm__torch.json is damaged" in str(w.message) for w in caught)
+    assert t == later.fallback.predict(*args) and not learned.trees_cache(sha).exists()
 
 
 def test_a_changed_model_file_is_not_read_from_the_cache_of_the_old_one(

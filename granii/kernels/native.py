@@ -31,7 +31,6 @@ import warnings
 import weakref
 from pathlib import Path
 
-import dgl
 import torch
 import torch.nn.functional as F
 
@@ -508,6 +507,7 @@ def spmm_norm_torch(gi, d_dst, d_src, x, bias=None, act=None, res=None):
 def spmm_norm_dgl(gi, d_dst, d_src, x, bias=None, act=None, res=None):
     """``act(diag(d_dst) A diag(d_src) X + bias + res)``: GraphConv's row scale, ``copy_u_sum``,
     row scale, adds."""
+    import dgl
     return _norm_sequence(lambda g, h: dgl.ops.copy_u_sum(g.g, h), gi, d_dst, d_src, x, bias, act,
                           res)
 

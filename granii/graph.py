@@ -10,6 +10,7 @@ graph alone (degree powers, normalised edge values, CSR matrices) in ``cache``: 
 "precompute once" values live there, so a new graph never sees stale ones.
 """
 import os
+import sys
 import weakref
 
 import torch
@@ -180,10 +181,9 @@ class GraphInfo:
         sampled block comes with it; DGL's ``out_degrees`` would build the out-edge index first,
         about ten times the count's cost)."""
         def make():
-            import dgl                      # only a DGL graph gets here: DGL is loaded
             try:
                 _, src, _ = self.csc()
-            except dgl.DGLError:            # a graph restricted to other formats
+            except _dgl_errors():           # a DGL graph restricted to other formats
                 return self.g.out_degrees().float()
             return torch.bincount(src, minlength=self.num_src).float()
         return self.memo("out_deg", make)
@@ -225,6 +225,13 @@ def _native_loaded():
     import sys
     native = sys.modules.get("granii.kernels.native")
     return native is not None and native.available()
+
+
+def _dgl_errors():
+    """DGL's error class where DGL is loaded, else no class (``except ()`` catches nothing): a
+    graph that is not DGL's raises no DGL error."""
+    dgl = sys.modules.get("dgl")
+    return dgl.DGLError if dgl is not None else ()
 
 
 _INFOS = weakref.WeakKeyDictionary()

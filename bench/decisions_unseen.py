@@ -87,6 +87,7 @@ from bench.decisions import Settling  # noqa: E402
 from bench.graphs import generated as bench_generated, with_self_loops  # noqa: E402
 from bench.load import OthersMeter  # noqa: E402
 from bench.measure import Runner, plan_candidates, plan_key  # noqa: E402
+from granii.select import EXPECTED_CALLS  # noqa: E402
 
 SETTLE_CALLS = 40
 # (margin, most plans) of ``select.trial_candidates`` whose candidate sets each row records, so
@@ -370,6 +371,26 @@ def steady_work(plan, impls):
                       if s.when == EVERY and s.prim != "apply"))
 
 
+def alternative_models():
+    """Cost models whose picks are scored on the same timings besides granii's default:
+    ``calibrated here`` the shipped models rescaled by a calibration measured now, inside this
+    run (under the CPU lock: a quiet machine), and ``unscaled`` the shipped models as trained
+    (no calibration). ``({}, {})`` when this machine has models of its own; else
+    ``(models, the calibration measured)``."""
+    from granii import calibration, learned
+    from granii.fingerprint import machine_fingerprint
+    fp = machine_fingerprint()
+    if (learned.models_dir() / learned.fingerprint_id(fp)).is_dir():
+        return {}, {}
+    times = calibration.measure()
+    out = {}
+    for label, here in (("calibrated here", {"times": times}), ("unscaled", {"times": {}})):
+        models = learned.foreign_models(learned.models_dir(), fp)
+        if models:
+            out[label] = learned.transferred(models, learned._Lazy(lambda here=here: here))
+    return out, times
+
+
 def _index(label):
     """The plan index of a decision's label ``[i]`` or ``[i] impl/..``."""
     return label.split(" ")[0][1:-1]
@@ -383,7 +404,7 @@ def _key(plans, index, impls):
 
 
 def measure_config(spec, g, model, k_in, k_out, training, cost_model, repeat=5, budget=2.0,
-                   seed=0):
+                   seed=0, alternatives=None):
     """One configuration: ``(row, times)`` (see the module doc). ``row`` is None when granii did
     not optimize the layer."""
     from granii import granii as optimize
@@ -462,6 +483,19 @@ def measure_config(spec, g, model, k_in, k_out, training, cost_model, repeat=5, 
                                               trial_candidates(st.last[1], margin, most)]
     samples = {k: v[1] for k, v in res.items()}
     samples[DGL] = samples["dgl"] + samples["dgl#2"]
+    others_picks = {}
+    if alternatives:
+        from granii.dispatch import prepare
+        from granii.select import rank, trial_candidates
+        with torch.set_grad_enabled(training):
+            call = prepare(st, plan_layer, (g, x), {})
+        for label, alt in alternatives.items():
+            ranking = rank(call.compiled.plans, call.gi, call.symbols, alt, call.training,
+                           call.input_grad, EXPECTED_CALLS, call.input_repeats)
+            others_picks[label] = {
+                "pick": _key(all_plans, ranking[0].plan.index, ranking[0].impls),
+                "1.3/2": [_key(all_plans, c.plan.index, c.impls)
+                          for c in trial_candidates(ranking, 1.3, 2)]}
     row = dict(graph=spec.name, family=spec.family, nodes=g.num_nodes(), edges=g.num_edges(),
                model=model, k_in=k_in, k_out=k_out,
                mode="training" if training else "inference",
@@ -474,7 +508,7 @@ def measure_config(spec, g, model, k_in, k_out, training, cost_model, repeat=5, 
                trial=" || ".join(trial_keys), fastest_in_trial=fastest in trial_keys,
                trial_ratio=_trial_ratio(trial_med, times),
                settle_calls=calls, decide_s=decide_s, others_cores=others.cores,
-               trial_sets=json.dumps(trial_sets))
+               trial_sets=json.dumps(trial_sets), alternatives=json.dumps(others_picks))
     detail = [dict(graph=spec.name, model=model, k_in=k_in, k_out=k_out, mode=row["mode"],
                    candidate=k, steady_ms=t[k] * 1e3 if k in t else times[k] * 1e3,
                    min_ms=(t_min[k] if k in t_min else min(t_min["dgl"], t_min["dgl#2"])) * 1e3,
@@ -643,12 +677,15 @@ def score(rows, details):
             "fixed_per_layer_pick": per_layer, "fixed_per_sizes_pick": per_sizes,
             "fastest": min(r["t"], key=r["t"].get), "fastest_ms": best,
             "fastest_in_trial": any(r["t"].get(k) == best for k in r["trial"].split(" || "))})
+        for label, alt in json.loads(r.get("alternatives") or "{}").items():
+            rec[f"model only, {label}"] = _time(r, alt["pick"]) / best
         out.append(rec)
     return out
 
 
 EMULATED = (("1.3/2", "median", 3), ("1.3/2", "min", 3), ("1.5/3", "median", 3),
-            ("1.5/3", "min", 3), ("2.0/4", "min", 3))
+            ("1.5/3", "min", 3), ("2.0/4", "min", 3),
+            ("calibrated here: 1.3/2", "median", 3), ("unscaled: 1.3/2", "median", 3))
 
 
 def emulate(rows, details, sets=EMULATED, margin=0.05):
@@ -669,7 +706,11 @@ def emulate(rows, details, sets=EMULATED, margin=0.05):
     for r in rows:
         cfg = (r["graph"], r["model"], r["k_in"], r["k_out"], r["mode"])
         sets_here = json.loads(r["trial_sets"])
+        for label, alt in json.loads(r.get("alternatives") or "{}").items():
+            sets_here[f"{label}: 1.3/2"] = alt["1.3/2"]
         for name, how, calls in sets:
+            if name not in sets_here:
+                continue
             cands = [k for k in sets_here.get(name, []) if k in samples[cfg]] + [DGL]
             judged = {k: stat[how](samples[cfg][k][:calls]) for k in cands}
             pick = min(judged, key=judged.get)
@@ -703,16 +744,17 @@ def _short(key):
 
 
 def summary_lines(recs):
+    rules = RULES + tuple(sorted({k for e in recs for k in e if k.startswith("model only, ")}))
     groups = {}
     for e in recs:
         groups.setdefault((e["model"], e["mode"]), []).append(e)
-    lines = ["| layer | mode | n | " + " | ".join(f"{r} geomean / worst" for r in RULES)
+    lines = ["| layer | mode | n | " + " | ".join(f"{r} geomean / worst" for r in rules)
              + " | best fixed rule | tie-break / best fixed | fastest in tie-break |",
-             "|---|---|---:|" + "---:|" * len(RULES) + "---|---:|---:|"]
+             "|---|---|---:|" + "---:|" * len(rules) + "---|---:|---:|"]
     for (model, mode), es in sorted(groups.items()) + [(("**all**", ""), recs)]:
         cells = []
-        for rule in RULES:
-            v = [e[rule] for e in es if e[rule] == e[rule]]
+        for rule in rules:
+            v = [e[rule] for e in es if e.get(rule, math.nan) == e.get(rule, math.nan)]
             cells.append(f"{geomean(v):.3f} / {max(v):.2f}" if v else "-")
         fixed = {r: geomean([e[r] for e in es]) for r in RULES[3:]}
         best_fixed = min(fixed, key=fixed.get)
@@ -774,6 +816,8 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of rounds per config")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-alternatives", dest="alternatives", action="store_false",
+                    help="score granii's default cost model only")
     ap.add_argument("--primitives", action="store_true",
                     help="also time each graph primitive and GEMM against the cost model")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "decisions_unseen")
@@ -789,6 +833,7 @@ def main(argv=None):
     sizes = ([tuple(int(v) for v in s.split(",")) for s in args.sizes] if args.sizes
              else QUICK_SIZES if args.quick else SIZES)
     t_start = time.perf_counter()
+    alternatives, here_times = alternative_models() if args.alternatives else ({}, {})
     graphs = [s.factory() for s in specs]
     check, clashes = unseen_report(specs, graphs, known_graphs())
     print("\n".join(check), flush=True)
@@ -801,7 +846,8 @@ def main(argv=None):
                     t0 = time.perf_counter()
                     row, detail = measure_config(spec, g, model, k_in, k_out,
                                                  mode == "training", cost_model,
-                                                 repeat=args.repeat, budget=args.budget)
+                                                 repeat=args.repeat, budget=args.budget,
+                                                 alternatives=alternatives)
                     if row is None:
                         skipped.append((spec.name, model, k_in, k_out, mode, detail["reason"]))
                         continue
@@ -819,6 +865,17 @@ def main(argv=None):
              f"{len(recs)} configurations on {len(specs)} graphs: "
              + ", ".join(f"{s.name} ({g.num_nodes()} nodes, {g.num_edges()} edges)"
                          for s, g in zip(specs, graphs)) + ".", "", *check]
+    if alternatives:
+        cal = getattr(cost_model, "transfer", None)
+        notes += ["", "Calibrations (reference seconds, `granii.calibration`): the one granii "
+                  "used (cached on this machine): " + (", ".join(
+                      f"{k} {v * 1e3:.2f} ms" for k, v in cal.here_times.items()) if cal else
+                      "none") + "; measured inside this run: " + ", ".join(
+                      f"{k} {v * 1e3:.2f} ms" for k, v in here_times.items()) +
+                  "; the models' own machine: " + (", ".join(
+                      f"{k} {v * 1e3:.2f} ms" for k, v in cal.model_times.items()) if cal
+                      else "-") + ". `model only, <model>`: the plan that model ranks first, "
+                  "scored on the same timings."]
     if skipped:
         notes += ["", f"Not optimized: {skipped}"]
     extra = []

@@ -117,6 +117,13 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
            memory_limit=None, extra_args=(), extra_kwargs=None):
     """Optimize every GNN layer of ``model`` in place and return ``model``.
 
+    The layers are the innermost submodules that receive a graph (a DGL graph or block, a list
+    of blocks, a ``dgl.sparse`` matrix, or one they hold in an attribute) when the model runs
+    on ``(graph, feats)`` without gradients (``find_layers``); with ``inspect_now=False`` the
+    model is not run, and they are the innermost modules whose forward's first parameter is
+    named like a graph (``g``, ``graph``, ``block``, ``bg``, ``hg``, ``mfg``, ``blocks``, ...).
+    ``granii.api.what_ran(model)`` tells what each layer's last call ran.
+
     ``cost_model``: an object with ``predict(prim, impl, gi, dims)``, or the path of a folder of
     learned models (``granii.learned.load``); by default the learned models for this machine, or
     the analytical model when there are none. ``expected_calls``: how many

@@ -24,6 +24,11 @@ hidden layer sees anyway and what serving new data sees. The first call (for gra
 its own; ``total`` is the time of ``CALLS`` calls as for training. Up to ``CALLS - 1`` rounds
 are timed, fewer when the round budget is spent (large graphs) and granii has settled.
 
+First calls: the ones above are timed in the benchmark's own process, after the correctness
+checks have filled granii's process-wide caches (``*_first_warm_ms``); given ``fresh`` (first
+calls timed each in a fresh process, ``bench.fresh``), the totals use those instead (``record``).
+With ``ablations``, ``bench.ablation``'s ``dgl_pool`` and ``granii_nopool`` run in the same rounds.
+
 Correctness first, on copies: training mode, one seeded forward and backward (outputs and every
 parameter's gradient) and eval mode outputs on new features, each optimized copy against DGL's
 (``check.compare``). A configuration that fails is timed but marked ``check=FAIL``; the report

@@ -95,7 +95,7 @@ SETTLE_CALLS = 40
 TRIAL_SETS = ((1.3, 2), (1.5, 3), (2.0, 4))
 DGL = "dgl-layer"
 LAYERS = ("gcn", "gin", "sage", "gat4")
-SIZES = ((32, 256), (256, 32), (64, 64), (512, 128))
+SIZES = ((32, 256), (256, 32), (64, 64))
 QUICK_SIZES = ((32, 256), (256, 32))
 QUICK_LAYERS = ("gcn", "sage")
 MODES = ("inference", "training")
@@ -545,6 +545,58 @@ def _trial_ratio(trial_med, times):
     return times[pick] / min(times[k] for k in timed)
 
 
+# -- what the calibration changes (no timing) --------------------------------------------------------
+def calibration_decisions(specs, graphs, calibrations, layers=LAYERS, sizes=SIZES, modes=MODES):
+    """For each configuration, the plan the shipped (foreign) models rank first when rescaled by
+    each of ``calibrations`` (``{label: reference times}``; ``{}``: unscaled). Ranks only: no
+    timing, so it runs anywhere. Rows ``(graph, model, k_in, k_out, mode, {label: pick})``."""
+    from granii import learned
+    from granii.dispatch import new_state, prepare
+    from granii.fingerprint import machine_fingerprint
+    from granii.select import rank
+    fp = machine_fingerprint()
+    models = {}
+    for label, times in calibrations.items():
+        found = learned.foreign_models(learned.models_dir(), fp)
+        models[label] = learned.transferred(found, learned._Lazy(lambda t=times: {"times": t}))
+    rows = []
+    for spec, base in zip(specs, graphs):
+        for model in layers:
+            g = with_self_loops(base) if bench_models.MODELS[model].self_loops else base
+            for (k_in, k_out) in sizes:
+                for mode in modes:
+                    training = mode == "training"
+                    x = torch.randn(g.num_nodes(), k_in)
+                    layer = bench_models.build(model, k_in, k_out).train(training)
+                    st = new_state(layer)
+                    with torch.set_grad_enabled(training):
+                        prepare(st, layer, (g, x), {})
+                        call = prepare(st, layer, (g, x), {})      # the features came back
+                    picks = {}
+                    for label, m in models.items():
+                        c = rank(call.compiled.plans, call.gi, call.symbols, m, call.training,
+                                 call.input_grad, EXPECTED_CALLS, call.input_repeats)[0]
+                        picks[label] = f"{c.plan.composition()} [{','.join(c.impls)}]"
+                    rows.append(dict(graph=spec.name, model=model, k_in=k_in, k_out=k_out,
+                                     mode=mode, **picks))
+    return rows
+
+
+def calibration_lines(rows, labels):
+    """Per (layer, mode): configurations whose pick under each calibration differs from the
+    first's."""
+    first = labels[0]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["mode"]), []).append(r)
+    lines = ["| layer | mode | n | " + " | ".join(f"pick differs: {lb}" for lb in labels[1:])
+             + " |", "|---|---|---:|" + "---:|" * (len(labels) - 1)]
+    for key, rs in sorted(groups.items()) + [(("**all**", ""), rows)]:
+        lines.append(f"| {key[0]} | {key[1]} | {len(rs)} | " + " | ".join(
+            str(sum(r[lb] != r[first] for r in rs)) for lb in labels[1:]) + " |")
+    return lines
+
+
 # -- the cost model's error per primitive on these graphs -----------------------------------------
 PRIM_KS = (32, 256)
 PRIMS = ("spmm", "spmm_norm", "spmm_weighted", "spmm_mean", "gat_aggregate")
@@ -818,6 +870,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-alternatives", dest="alternatives", action="store_false",
                     help="score granii's default cost model only")
+    ap.add_argument("--calibrations", action="store_true",
+                    help="only rank (no timing): the shipped models' picks under this machine's "
+                    "cached calibration and unscaled (calibration_decisions.csv/.md)")
     ap.add_argument("--primitives", action="store_true",
                     help="also time each graph primitive and GEMM against the cost model")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "decisions_unseen")
@@ -833,6 +888,8 @@ def main(argv=None):
     sizes = ([tuple(int(v) for v in s.split(",")) for s in args.sizes] if args.sizes
              else QUICK_SIZES if args.quick else SIZES)
     t_start = time.perf_counter()
+    if args.calibrations:
+        return calibrations_main(args, specs, layers, sizes)
     alternatives, here_times = alternative_models() if args.alternatives else ({}, {})
     graphs = [s.factory() for s in specs]
     check, clashes = unseen_report(specs, graphs, known_graphs())
@@ -891,6 +948,40 @@ def main(argv=None):
     lines = write_report(args.out, recs, rows, details, notes, extra)
     print("\n".join(lines), flush=True)
     return 0
+
+
+def calibrations_main(args, specs, layers, sizes):
+    """``--calibrations``: the picks under the calibration cached on this machine (as measured,
+    checks aside) against the unscaled models."""
+    import json as _json
+    from granii import calibration
+    from granii.fingerprint import fingerprint_id, machine_fingerprint
+    path = calibration.cache_dir() / f"calibration-{fingerprint_id(machine_fingerprint())}.json"
+    cached = _json.loads(path.read_text())["times"] if path.is_file() else {}
+    cals = {"unscaled": {}, "cached calibration": cached}
+    graphs = [s.factory() for s in specs]
+    rows = calibration_decisions(specs, graphs, cals, layers, sizes)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(args.out / "calibration_decisions.csv", rows)
+    lines = ["# Plan picks under a calibration measured under load", "",
+             f"Generated by `python -m bench.decisions_unseen --calibrations` (ranking only, no "
+             f"timing). The shipped models (another machine's) rank the promoted plans of each "
+             f"configuration of the study (fixed features, {len(rows)} configurations), rescaled "
+             "by the calibration cached on this machine (`granii.calibration`: " + ", ".join(
+                 f"{k} {v * 1e3:.2f} ms" for k, v in cached.items()) + ") and unscaled. The "
+             "models' own reference times are " + ", ".join(
+                 f"{k} {v * 1e3:.2f} ms" for k, v in _reference_times().items()) + ".", "",
+             *calibration_lines(rows, list(cals)), ""]
+    (args.out / "calibration_decisions.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def _reference_times():
+    from granii import learned
+    from granii.fingerprint import machine_fingerprint
+    found = learned.foreign_models(learned.models_dir(), machine_fingerprint())
+    return learned.model_calibration(found[0]) if found else {}
 
 
 if __name__ == "__main__":

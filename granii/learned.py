@@ -502,8 +502,11 @@ def load(path, fingerprint=None, check=True):
     Refuses (``CostModelError``, naming the fix) a folder without a readable manifest, one made on
     another machine or setup (``fingerprint``: the expected one, by default this machine's at the
     current torch thread count; not checked with ``check=False``, for a transfer), one trained for
-    another feature set, and missing or damaged model files (a file whose parsed form is cached
-    under its manifest hash is not read: its model comes from the cache).
+    another feature set, and missing model files. With the manifest's SHA-256 of each file (every
+    folder made since the manifests kept them) no model file is read here: a file is checked
+    against its hash when a prediction first needs its model (a damaged one is then priced as
+    missing, with a warning naming it and the fix) and its parse cached under that hash; a
+    later process reads the cache alone. Older folders are read and parsed whole here.
     """
     path = Path(path)
     manifest = _read_manifest(path)
@@ -525,8 +528,9 @@ def load(path, fingerprint=None, check=True):
                 f"granii: the {key} model in {path} was trained for another feature set "
                 f"({len(entry.get('features') or [])} features, {len(want)} now): re-run {FIX}")
         fpath = path / entry.get("file", model_file(prim, impl, phase))
-        if entry.get("sha256"):      # checked now, parsed when a call first needs it
-            _check_file(fpath, entry["sha256"])
+        if entry.get("sha256"):      # checked against its hash and parsed on first use
+            if not fpath.is_file():
+                raise CostModelError(f"granii: cost-model file {fpath} is missing: re-run {FIX}")
             models[phase][(prim, impl)] = _LazyTrees(fpath, len(want), entry["sha256"])
         else:                        # folders made before the manifest kept hashes
             models[phase][(prim, impl)] = read_trees(fpath, len(want))
@@ -539,20 +543,10 @@ def file_sha256(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _check_file(fpath, sha256, data=None):
-    """``CostModelError`` unless the model file ``fpath`` is there and its bytes (``data`` when
-    read already) have the manifest's ``sha256``. A file whose parsed form is cached under that
-    hash is only looked for: the model is read from the cache, never from the file (which
-    ``read_trees`` checks before parsing it, should the cache be gone by then)."""
-    if data is None and trees_cache(sha256).is_file() and Path(fpath).is_file():
-        return
-    try:
-        same = hashlib.sha256(Path(fpath).read_bytes() if data is None else data).hexdigest() \
-            == sha256
-    except OSError as e:
-        raise CostModelError(f"granii: cost-model file {fpath} is missing or damaged "
-                             f"({e.strerror}): re-run {FIX}") from None
-    if not same:
+def _check_bytes(fpath, data, sha256):
+    """``CostModelError`` unless ``data``, the bytes of the model file ``fpath``, have the
+    manifest's ``sha256``."""
+    if hashlib.sha256(data).hexdigest() != sha256:
         raise CostModelError(f"granii: cost-model file {fpath} is damaged (its SHA-256 "
                              f"differs from the manifest's): re-run {FIX}")
 
@@ -572,7 +566,7 @@ def read_trees(fpath, n_features, sha256=None):
         raise CostModelError(f"granii: cost-model file {fpath} is missing or damaged "
                              f"({e.strerror}): re-run {FIX}") from None
     if sha256:                      # the cache is keyed by the bytes parsed: check them first
-        _check_file(fpath, sha256, data)
+        _check_bytes(fpath, data, sha256)
     try:
         trees = Trees(json.loads(data))
         n_feat = trees.num_features

@@ -1,0 +1,172 @@
+"""PyG layers: granii against PyTorch Geometric's eager forward, single layers.
+
+    python -m bench.pyg [--calls 20] [--graphs cora,pubmed,github-social] [--quick]
+
+For each real graph of ``data/`` (read as PyG's ``edge_index``, both directions, no self loops),
+each supported layer (GCNConv, SAGEConv mean and max, GINConv with a 2-layer MLP, SGConv K=2,
+APPNP K=10, GraphConv) and each mode (inference: ``eval()`` and ``no_grad``; training: forward
+and backward of a random projection of the output; APPNP, which has no parameters, backward to
+its features), two copies of one layer with the same
+weights run ``--calls`` calls on new random features each call (64 -> 64):
+
+    PyG     the layer's own forward
+    granii  ``granii(layer, x_0, edge_index)`` (lowering, enumeration, the decision, and the run
+            it makes) then the calls: its first call is included in the total
+
+Reported: total seconds of each (granii's ``granii(...)`` included), their ratio, the median
+of the last half of the calls (steady state), what granii ran, and the largest difference of
+the outputs from PyG's (each call is checked). Writes ``results/pyg/pyg.csv`` and ``pyg.md``.
+Run under ``flock -x /tmp/granii-cpu.lock`` with 2 threads.
+"""
+import argparse
+import copy
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.csvfile import write_csv
+from granii import datasets
+
+OUT = Path(__file__).resolve().parent.parent / "results" / "pyg"
+K = 64
+
+
+def edge_index_of(name):
+    """A shipped graph as ``edge_index`` (both directions, deduplicated, no self loops) and its
+    node count, read without DGL."""
+    kind, rel = datasets._FILES[name]
+    path = datasets._path(rel)
+    if kind == "mtx":
+        u, v, n, _ = datasets.read_mtx(path)
+    elif kind == "csv":
+        u, v, n = datasets.read_edge_csv(path)
+    else:
+        u, v, n = datasets.read_metis(path)
+    u, v = np.concatenate([u, v]), np.concatenate([v, u])
+    keep = u != v
+    key = np.unique(u[keep] * n + v[keep])
+    return torch.from_numpy(np.stack([key // n, key % n])).contiguous(), int(n)
+
+
+def layers():
+    from torch_geometric import nn as gnn
+
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(K, K), torch.nn.ReLU(), torch.nn.Linear(K, K))
+    return {
+        "GCNConv": lambda: gnn.GCNConv(K, K),
+        "SAGEConv-mean": lambda: gnn.SAGEConv(K, K),
+        "SAGEConv-max": lambda: gnn.SAGEConv(K, K, aggr="max"),
+        "GINConv": lambda: gnn.GINConv(mlp()),
+        "SGConv-K2": lambda: gnn.SGConv(K, K, K=2),
+        "APPNP-K10": lambda: gnn.APPNP(K=10, alpha=0.1),
+        "GraphConv": lambda: gnn.GraphConv(K, K),
+    }
+
+
+def _step(layer, x, ei, training, proj):
+    out = layer(x, ei)
+    if training:
+        (out * proj).sum().backward()
+    return out.detach()
+
+
+def run_one(make, ei, n, training, calls, seed=0):
+    from granii import granii
+    from granii.api import what_ran
+    torch.manual_seed(seed)
+    ref = make()
+    opt = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(seed + 1)
+    # a layer without parameters (APPNP) trains through its input's gradient
+    grad_x = training and not any(True for _ in ref.parameters())
+    xs = [torch.randn(n, K, generator=gen).requires_grad_(grad_x) for _ in range(calls)]
+    proj = torch.randn(n, K, generator=gen)
+    for m in (ref, opt):
+        m.train(training)
+    ctx = torch.enable_grad if training else torch.no_grad
+    t_pyg, t_granii, outs = [], [], []
+    with ctx():
+        for x in xs:
+            t = time.perf_counter()
+            outs.append(_step(ref, x, ei, training, proj))
+            t_pyg.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        granii(opt, xs[0], ei)
+        setup = time.perf_counter() - t
+        diff = 0.0
+        for x, want in zip(xs, outs):
+            t = time.perf_counter()
+            got = _step(opt, x, ei, training, proj)
+            t_granii.append(time.perf_counter() - t)
+            diff = max(diff, (got - want).abs().max().item())
+    ran = next(iter(what_ran(opt).values()))
+    half = calls // 2
+    return {"pyg_total_s": sum(t_pyg), "granii_total_s": setup + sum(t_granii),
+            "granii_setup_s": setup, "speedup_total": sum(t_pyg) / (setup + sum(t_granii)),
+            "pyg_steady_ms": 1e3 * statistics.median(t_pyg[half:]),
+            "granii_steady_ms": 1e3 * statistics.median(t_granii[half:]),
+            "speedup_steady": statistics.median(t_pyg[half:]) / statistics.median(t_granii[half:]),
+            "ran": f"{ran.kind} {ran.label}" if ran else "-", "max_abs_diff": diff}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--graphs", default="cora,pubmed,github-social")
+    ap.add_argument("--quick", action="store_true", help="cora only, 6 calls")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(2)
+    warnings.simplefilter("ignore")
+    graphs = ["cora"] if args.quick else args.graphs.split(",")
+    calls = 6 if args.quick else args.calls
+    rows = []
+    for gname in graphs:
+        ei, n = edge_index_of(gname)
+        for lname, make in layers().items():
+            for training in (False, True):
+                r = run_one(make, ei, n, training, calls)
+                row = {"graph": gname, "N": n, "E": ei.shape[1], "layer": lname,
+                       "mode": "training" if training else "inference", "calls": calls, **r}
+                rows.append(row)
+                print(f"{gname:14s} {lname:14s} {row['mode']:9s} total x{r['speedup_total']:5.2f}"
+                      f"  steady x{r['speedup_steady']:5.2f}  ({r['ran']}, diff "
+                      f"{r['max_abs_diff']:.1e})", flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    write_csv(OUT / "pyg.csv", rows)
+    write_markdown(OUT / "pyg.md", rows, " ".join(["python -m bench.pyg"] + (argv or sys.argv[1:])))
+    return rows
+
+
+def write_markdown(path, rows, command):
+    lines = [f"# granii against PyG's eager forward, single layers (k = {K} -> {K})", "",
+             f"`{command}`, 2 threads, new random features each call. *total*: PyG's calls "
+             "against `granii(layer, x, edge_index)` plus the same calls (its first included); "
+             "*steady*: medians of the last half of the calls. Each output checked against "
+             "PyG's (*diff*).", "",
+             "| graph | layer | mode | PyG total s | granii total s (setup) | total x | "
+             "PyG ms/call | granii ms/call | steady x | ran | diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['graph']} | {r['layer']} | {r['mode']} | {r['pyg_total_s']:.3f} | "
+                     f"{r['granii_total_s']:.3f} ({r['granii_setup_s']:.3f}) | "
+                     f"{r['speedup_total']:.2f} | {r['pyg_steady_ms']:.2f} | "
+                     f"{r['granii_steady_ms']:.2f} | {r['speedup_steady']:.2f} | {r['ran']} | "
+                     f"{r['max_abs_diff']:.1e} |")
+    for mode in ("inference", "training"):
+        sel = [r for r in rows if r["mode"] == mode]
+        if sel:
+            gm = float(np.exp(np.mean([np.log(r["speedup_total"]) for r in sel])))
+            gs = float(np.exp(np.mean([np.log(r["speedup_steady"]) for r in sel])))
+            lines.append(f"\n{mode}: geometric mean total x{gm:.2f}, steady x{gs:.2f} "
+                         f"({len(sel)} configurations)")
+    path.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -169,3 +169,55 @@ def test_emulated_tie_break_judges_its_own_candidates():
     assert got[("1.3/2", "min", 3)] == [("gcn", "inference", pytest.approx(1.52))]  # b not 5%
     assert got[("1.5/3", "median", 3)] == [("gcn", "inference", pytest.approx(1.0))]
     assert du.emulate_lines(got)[2].startswith("| 1.3/2 | min of 3 | 1.520 / 1.52")
+
+
+@pytest.fixture
+def measured(monkeypatch, tmp_path):
+    """``calibration.measure`` returning the queued reference times (no timing), the cache under
+    ``tmp_path``, no pauses."""
+    from granii import calibration
+    queue = []
+
+    def measure(repeat=7):
+        return dict(queue.pop(0))
+    monkeypatch.setattr(calibration, "measure", measure)
+    monkeypatch.setattr(calibration, "QUIET_PAUSE", 0.0)
+    monkeypatch.setenv("GRANII_CACHE", str(tmp_path))
+    return queue
+
+
+QUIET = {"stream": 2e-3, "gemm": 5e-3, "sparse": 4e-3, "small": 1e-4}
+BUSY = {"stream": 30e-3, "gemm": 25e-3, "sparse": 59e-3, "small": 24e-3}   # this machine, loaded
+
+
+def test_a_calibration_measured_under_load_is_neither_used_nor_kept(measured):
+    """Every try contended (the small reference call far beyond its time alone): no times, so
+    transferred models price calls unscaled, and nothing is cached for the next process."""
+    from granii import calibration
+    fp = {"cpu_model": "x", "isa": "y", "threads": 2}
+    measured += [BUSY] * calibration.QUIET_TRIES
+    cal = calibration.this_machine(fp)
+    assert cal["times"] == {} and cal["contended"] == BUSY and not measured
+    assert not list(calibration.cache_dir().glob("calibration-*.json"))
+    tr = calibration.Transfer({k: v / 3 for k, v in QUIET.items()}, cal["times"])
+    assert tr.scale("spmm", 1e-3) == 1e-3 and tr.scale("gemm", 1e-5) == 1e-5
+    # the next process measures again; a quiet second try is kept
+    measured += [BUSY, QUIET]
+    cal = calibration.this_machine(fp)
+    assert cal["times"] == QUIET and not measured
+    assert calibration.this_machine(fp)["times"] == QUIET          # read back from the cache
+
+
+def test_a_cached_calibration_measured_under_load_is_measured_again(measured):
+    """A calibration cached before the check, with a contended small call, is not read back."""
+    import json
+
+    from granii import calibration
+    from granii.fingerprint import fingerprint_id
+    fp = {"cpu_model": "x", "isa": "y", "threads": 2}
+    path = calibration.cache_dir() / f"calibration-{fingerprint_id(fp)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": calibration.FORMAT, "times": BUSY}))
+    measured.append(QUIET)
+    assert calibration.this_machine(fp)["times"] == QUIET and not measured
+    assert json.loads(path.read_text())["times"] == QUIET

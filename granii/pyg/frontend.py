@@ -166,6 +166,10 @@ class PygInterpreter(Interpreter):
                           f"{type(a).__name__} and {type(b).__name__} is not lowered ({err})")
         return super().binop(op, a, b, node)
 
+    def stmt_AnnAssign(self, s):          # ``res: Optional[Tensor] = None``
+        if s.value is not None:
+            self.assign(s.target, self.eval(s.value))
+
     def assign(self, target, value):
         if isinstance(target, ast.Attribute) and _holds_pyg([value]) and \
                 self.eval(target.value) is self.module:
@@ -209,6 +213,9 @@ def _pyg_rule(it, func, args, kwargs):
     if getattr(func, "__self__", None) is it.module and \
             getattr(func, "__name__", None) == "propagate":
         return "propagate"
+    if getattr(func, "__self__", None) is it.module and \
+            getattr(func, "__name__", None) == "edge_updater":
+        return "edge_updater"
     if func is torch.ones and args and (isinstance(args[0], EdgeCount) or (
             isinstance(args[0], (tuple, list)) and args[0] and isinstance(args[0][0], EdgeCount))):
         return "ones"
@@ -227,6 +234,9 @@ def _call_rule(it, rule, func, args, kwargs, node):
         return _graph_isinstance(args[0], args[1])
     if rule == "propagate":
         return propagate(it, args, kwargs, node)
+    if rule == "edge_updater":
+        it.fail(node, "self.edge_updater (per-edge attention scores, PyG's softmax over edges)",
+                "not lowered yet")
     if rule == "ones":
         shape = args[0] if isinstance(args[0], EdgeCount) else args[0]
         if not isinstance(shape, EdgeCount) and tuple(shape[1:]) not in ((), (1,)):
@@ -354,6 +364,7 @@ _UTILS = {
     "to_edge_index": _unsupported("to_edge_index of a sparse adjacency"),
     "set_sparse_value": _unsupported("set_sparse_value of a sparse adjacency"),
     "softmax": _unsupported("PyG's softmax over edges (attention)"),
+    "remove_self_loops": _unsupported("remove_self_loops"),
     "dropout_edge": _unsupported("dropout_edge"),
 }
 

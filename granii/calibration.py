@@ -29,13 +29,16 @@ without a model. This machine's are measured once per fingerprint and cached in
 ``$GRANII_CACHE`` (default ``~/.cache/granii``) as ``calibration-<fingerprint id>.json``.
 
 A calibration measured while other processes held the cores is not this machine's: a parallel
-call then waits whole scheduler slices for a descheduled thread, the small call most (24 ms
-measured on a 2-core machine under a load of 10, against 0.1 ms alone), and ratios that far
-apart reorder plans (80 of 216 configurations of ``bench/decisions_unseen.py --calibrations``).
-So a measurement whose small call exceeds ``CONTENDED`` (the bound ``profiling.harness.Probe``
-puts on the same call) is taken again, and if every try was contended it is neither cached nor
-used: the models price calls unscaled, as on their own machine, and the next process measures
-again. A cached calibration over the bound (written before this check) is measured again.
+call then waits whole scheduler slices for a descheduled thread (the small call took 24 ms on a
+2-core machine under a load of 10, against 0.1 ms alone; another time the small call found a
+quiet moment, 0.4 ms, while the GEMM and sparse calls took 6x and 24x their time), and ratios
+that far apart reorder plans (``bench/decisions_unseen.py --calibrations``). So a measurement
+taken while other processes used more cores than the calibration's threads left free
+(``/proc/stat``), or whose small call exceeds ``CONTENDED`` (the bound
+``profiling.harness.Probe`` puts on the same call), is taken again, and if every try was
+contended it is neither cached nor used: the models price calls unscaled, as on their own
+machine, and the next process measures again. A cached calibration written before these checks
+(no ``others_cores``), or over the bound, is measured again.
 """
 import hashlib
 import json
@@ -177,8 +180,46 @@ def predicted(model):
 
 
 def contended(times):
-    """Whether reference ``times`` were measured while other processes held the cores."""
+    """Whether reference ``times`` were measured while other processes held the cores (the
+    small call's time says so; a short call can also fall between two other processes' turns,
+    so ``this_machine`` asks ``/proc/stat`` too)."""
     return times.get("small", 0.0) > CONTENDED
+
+
+def _busy_seconds():
+    """``(CPU seconds the machine's CPUs were busy, this process's CPU seconds)``; the first
+    ``None`` where ``/proc/stat`` cannot be read."""
+    import resource
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        with open("/proc/stat") as f:
+            parts = [int(v) for v in f.readline().split()[1:]]
+        busy = (sum(parts[:8]) - parts[3] - parts[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        busy = None
+    return busy, own.ru_utime + own.ru_stime
+
+
+def _measure_with_others():
+    """``(measure(), cores other processes used meanwhile)`` (0 when that cannot be told: no
+    ``/proc/stat``, or too short a measurement for its clock ticks)."""
+    wall, (busy, own) = time.perf_counter(), _busy_seconds()
+    times = measure()
+    wall, (busy2, own2) = time.perf_counter() - wall, _busy_seconds()
+    if busy is None or busy2 is None or wall < 0.2:
+        return times, 0.0
+    return times, max(0.0, (busy2 - busy - (own2 - own)) / wall)
+
+
+def _spare_cores():
+    """Cores others may use without taking one from the calibration's threads (half a core of
+    slack)."""
+    import torch
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(cores - torch.get_num_threads(), 0) + 0.5
 
 
 def this_machine(fingerprint, refresh=False, log=None):
@@ -192,7 +233,7 @@ def this_machine(fingerprint, refresh=False, log=None):
         try:
             cal = json.loads(path.read_text())
             if cal.get("format") == FORMAT and set(cal.get("times", {})) == set(REFERENCE) \
-                    and not contended(cal["times"]):
+                    and "others_cores" in cal and not contended(cal["times"]):
                 return cal
         except (OSError, ValueError):
             pass
@@ -200,17 +241,18 @@ def this_machine(fingerprint, refresh=False, log=None):
     for attempt in range(QUIET_TRIES):
         if attempt:
             time.sleep(QUIET_PAUSE)
-        times = measure()
-        if not contended(times):
+        times, others = _measure_with_others()
+        busy = contended(times) or others > _spare_cores()
+        if not busy:
             break
     cal = {"format": FORMAT, "fingerprint_id": fid, "times": times,
-           "seconds": round(time.perf_counter() - t0, 2),
+           "seconds": round(time.perf_counter() - t0, 2), "others_cores": round(others, 2),
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cache": str(path)}
-    if contended(times):          # not this machine's speed: not used, not kept
+    if busy:                      # not this machine's speed: not used, not kept
         cal.update(times={}, contended=times, cache=None)
         if log is not None:
-            log(f"granii: the machine was busy while calibrating (small call "
-                f"{times['small'] * 1e3:.1f} ms); models unscaled")
+            log(f"granii: the machine was busy while calibrating (other processes used "
+                f"{others:.1f} cores); models unscaled")
         return cal
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

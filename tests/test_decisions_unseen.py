@@ -221,3 +221,40 @@ def test_a_cached_calibration_measured_under_load_is_measured_again(measured):
     measured.append(QUIET)
     assert calibration.this_machine(fp)["times"] == QUIET and not measured
     assert json.loads(path.read_text())["times"] == QUIET
+
+
+def test_a_calibration_while_others_use_the_cores_is_not_kept(measured, monkeypatch):
+    """A short small call can fall between other processes' turns while the long calls do not:
+    other processes' CPU use during the measurement (``/proc/stat``) counts too; and a cached
+    calibration written before that check is measured again."""
+    import json
+
+    from granii import calibration
+    from granii.fingerprint import fingerprint_id
+    fp = {"cpu_model": "x", "isa": "y", "threads": 2}
+    load = iter([3.0, 3.0, 0.1])            # cores used by others during each measurement
+
+    def with_others():
+        return calibration.measure(), next(load)
+    monkeypatch.setattr(calibration, "_measure_with_others", with_others)
+    monkeypatch.setattr(calibration, "_spare_cores", lambda: 0.5)
+    measured += [QUIET, QUIET]
+    cal = calibration.this_machine(fp)
+    assert cal["times"] == {} and cal["contended"] == QUIET
+    path = calibration.cache_dir() / f"calibration-{fingerprint_id(fp)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = {"format": calibration.FORMAT, "times": {**QUIET, "gemm": 6 * QUIET["gemm"]}}
+    path.write_text(json.dumps(old))                  # no others_cores: before the check
+    measured.append(QUIET)
+    cal = calibration.this_machine(fp)
+    assert cal["times"] == QUIET and cal["others_cores"] == 0.1
+    assert calibration.this_machine(fp)["times"] == QUIET
+
+
+def test_others_cores_are_read_from_the_machine():
+    """``_measure_with_others`` reports a number of cores (0 when the measurement is too short
+    to tell)."""
+    from granii import calibration
+    busy, own = calibration._busy_seconds()
+    assert own > 0 and (busy is None or busy >= 0)
+    assert calibration._spare_cores() >= 0.5

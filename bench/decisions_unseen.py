@@ -371,10 +371,12 @@ def steady_work(plan, impls):
                       if s.when == EVERY and s.prim != "apply"))
 
 
-# the calibration this machine had cached before ``calibration.CONTENDED`` was checked, measured
-# while other processes held the cores (seconds)
+# calibrations this machine cached while other processes held the cores (seconds): before
+# ``calibration`` checked for contention, and after it checked the small call only
 CONTENDED_CALIBRATION = {"gemm": 25.13e-3, "small": 23.99e-3, "sparse": 58.96e-3,
                          "stream": 30.32e-3}
+CONTENDED_QUIET_SMALL = {"gemm": 29.30e-3, "small": 0.42e-3, "sparse": 92.18e-3,
+                         "stream": 50.78e-3}
 
 
 def alternative_models():
@@ -560,7 +562,7 @@ def calibration_decisions(specs, graphs, calibrations, layers=LAYERS, sizes=SIZE
     from granii import learned
     from granii.dispatch import new_state, prepare
     from granii.fingerprint import machine_fingerprint
-    from granii.select import rank
+    from granii.select import rank, trial_candidates
     fp = machine_fingerprint()
     models = {}
     for label, times in calibrations.items():
@@ -581,9 +583,13 @@ def calibration_decisions(specs, graphs, calibrations, layers=LAYERS, sizes=SIZE
                         call = prepare(st, layer, (g, x), {})      # the features came back
                     picks = {}
                     for label, m in models.items():
-                        c = rank(call.compiled.plans, call.gi, call.symbols, m, call.training,
-                                 call.input_grad, EXPECTED_CALLS, call.input_repeats)[0]
-                        picks[label] = f"{c.plan.composition()} [{','.join(c.impls)}]"
+                        ranking = rank(call.compiled.plans, call.gi, call.symbols, m,
+                                       call.training, call.input_grad, EXPECTED_CALLS,
+                                       call.input_repeats)
+                        name = lambda c: f"{c.plan.composition()} [{','.join(c.impls)}]"
+                        picks[label] = name(ranking[0])
+                        picks[f"{label}: tie-break"] = " || ".join(
+                            name(c) for c in trial_candidates(ranking))
                     rows.append(dict(graph=spec.name, model=model, k_in=k_in, k_out=k_out,
                                      mode=mode, **picks))
     return rows
@@ -596,11 +602,17 @@ def calibration_lines(rows, labels):
     groups = {}
     for r in rows:
         groups.setdefault((r["model"], r["mode"]), []).append(r)
-    lines = ["| layer | mode | n | " + " | ".join(f"pick differs: {lb}" for lb in labels[1:])
-             + " |", "|---|---|---:|" + "---:|" * (len(labels) - 1)]
+    lines = ["| layer | mode | n | " + " | ".join(
+        f"pick differs: {lb} | {first}'s pick outside {lb}'s tie-break | {lb}'s pick outside "
+        f"{first}'s tie-break" for lb in labels[1:]) + " |",
+        "|---|---|---:|" + "---:|---:|---:|" * (len(labels) - 1)]
     for key, rs in sorted(groups.items()) + [(("**all**", ""), rows)]:
-        lines.append(f"| {key[0]} | {key[1]} | {len(rs)} | " + " | ".join(
-            str(sum(r[lb] != r[first] for r in rs)) for lb in labels[1:]) + " |")
+        cells = []
+        for lb in labels[1:]:
+            cells += [sum(r[lb] != r[first] for r in rs),
+                      sum(r[first] not in r[f"{lb}: tie-break"].split(" || ") for r in rs),
+                      sum(r[lb] not in r[f"{first}: tie-break"].split(" || ") for r in rs)]
+        lines.append(f"| {key[0]} | {key[1]} | {len(rs)} | " + " | ".join(map(str, cells)) + " |")
     return lines
 
 
@@ -879,7 +891,7 @@ def main(argv=None):
     ap.add_argument("--no-alternatives", dest="alternatives", action="store_false",
                     help="score granii's default cost model only")
     ap.add_argument("--calibrations", action="store_true",
-                    help="only rank (no timing): the shipped models' picks under this machine's "
+                    help="only rank (no timing): the shipped models picks under contended "
                     "cached calibration and unscaled (calibration_decisions.csv/.md)")
     ap.add_argument("--primitives", action="store_true",
                     help="also time each graph primitive and GEMM against the cost model")
@@ -959,14 +971,11 @@ def main(argv=None):
 
 
 def calibrations_main(args, specs, layers, sizes):
-    """``--calibrations``: the picks under the calibration cached on this machine (as measured,
-    checks aside) against the unscaled models."""
-    import json as _json
-    from granii import calibration
-    from granii.fingerprint import fingerprint_id, machine_fingerprint
-    path = calibration.cache_dir() / f"calibration-{fingerprint_id(machine_fingerprint())}.json"
-    cached = _json.loads(path.read_text())["times"] if path.is_file() else {}
-    cals = {"unscaled": {}, "cached calibration": cached}
+    """``--calibrations``: the picks under the two calibrations this machine cached while
+    other processes held the cores against the unscaled models (what granii uses now when the
+    machine is busy while it calibrates)."""
+    cals = {"unscaled": {}, "contended": CONTENDED_CALIBRATION,
+            "contended, small call quiet": CONTENDED_QUIET_SMALL}
     graphs = [s.factory() for s in specs]
     rows = calibration_decisions(specs, graphs, cals, layers, sizes)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -975,11 +984,18 @@ def calibrations_main(args, specs, layers, sizes):
              f"Generated by `python -m bench.decisions_unseen --calibrations` (ranking only, no "
              f"timing). The shipped models (another machine's) rank the promoted plans of each "
              f"configuration of the study (fixed features, {len(rows)} configurations), rescaled "
-             "by the calibration cached on this machine (`granii.calibration`: " + ", ".join(
-                 f"{k} {v * 1e3:.2f} ms" for k, v in cached.items()) + ") and unscaled. The "
+             "by two calibrations this machine cached while other processes held the cores "
+             "(`granii.calibration`; `contended`: " + ", ".join(
+                 f"{k} {v * 1e3:.2f} ms" for k, v in CONTENDED_CALIBRATION.items()) +
+             "; `contended, small call quiet`: " + ", ".join(
+                 f"{k} {v * 1e3:.2f} ms" for k, v in CONTENDED_QUIET_SMALL.items()) +
+             ") and unscaled (what granii now uses when its calibration is contended). The "
              "models' own reference times are " + ", ".join(
                  f"{k} {v * 1e3:.2f} ms" for k, v in _reference_times().items()) + ".", "",
-             *calibration_lines(rows, list(cals)), ""]
+             *calibration_lines(rows, list(cals)), "",
+             "A tie-break times its candidates (`select.trial_candidates`) and DGL's layer on the "
+             "first calls: a pick outside the other calibration's candidates is one its "
+             "tie-break cannot recover.", ""]
     (args.out / "calibration_decisions.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

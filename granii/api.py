@@ -20,7 +20,7 @@ import sys
 import torch
 
 from .dispatch import (Dispatcher, Options, Ran, _any_requires_grad, dispatcher_of, inspecting,
-                       layer_states, leaf_vals_order, prepare)
+                       is_pyg_layer, layer_states, leaf_vals_order, prepare)
 from .explain import explain
 from .kernels import pool
 from .plan import plan_code
@@ -90,7 +90,7 @@ def graph_receivers(model, run):
     got = {}
 
     def saw(name, module, args, kwargs):
-        if name not in got and (_graph_in(args, kwargs)
+        if name not in got and (_graph_in(args, kwargs) or is_pyg_layer(module)
                                 or any(is_graph(v) for v in module.__dict__.values())):
             got[name] = module
     handles, hidden = [], []

@@ -209,7 +209,8 @@ def dispatch(state, options, layer, args, kwargs):
     if autocast_on():
         _fell_back(state, AUTOCAST)
         return original_forward(layer, args, kwargs)
-    guard = call_guard(layer, args, kwargs)
+    # a PyG layer's call binds per-edge values the fast path's reader does not compute
+    guard = None if is_pyg_layer(layer) else call_guard(layer, args, kwargs)
     if guard is not None and torch._C._current_graph_task_id() < 0:
         hit = _fast_hit(state, options, layer, guard, args, kwargs)
         if hit is not None:
@@ -1094,7 +1095,11 @@ class Call:
 
 
 def prepare(state, module, args, kwargs, reuse_inputs=True):
-    """Bind a call of ``module``; a string (the reason) when the original forward must run."""
+    """Bind a call of ``module``; a string (the reason) when the original forward must run.
+    A PyTorch Geometric layer is bound by ``granii/pyg`` (``forward(x, edge_index, ...)``)."""
+    if is_pyg_layer(module):
+        from .pyg import prepare_call
+        return prepare_call(state, module, args, kwargs, reuse_inputs)
     values = _bind_arguments(state, args, kwargs)
     names = list(values)
     graph, feat = values[names[0]], values[names[1]]
@@ -1675,6 +1680,21 @@ def _size_message(state, leaf, val, sym, have, n, feat):
         return (f"{layer}: the features have {n} rows but the graph has {have} source nodes: "
                 "pass one row of features per node")
     return f"{layer}: size '{sym}' is {have} in one operand and {n} in '{leaf.name}'"
+
+
+_PYG_CLASSES = {}
+
+
+def is_pyg_layer(module):
+    """A PyTorch Geometric ``MessagePassing`` layer (lowered by ``granii/pyg``), known by its
+    class, without importing PyG."""
+    cls = type(module)
+    hit = _PYG_CLASSES.get(cls)
+    if hit is None:
+        hit = _PYG_CLASSES[cls] = any(c.__name__ == "MessagePassing" and
+                                      c.__module__.startswith("torch_geometric")
+                                      for c in cls.__mro__)
+    return hit
 
 
 def dispatcher_of(module):

@@ -139,6 +139,7 @@ def graph_work(choice):
 def price(plan, gi, symbols, model, training, input_grad, expected_calls, cacheable=False):
     grad_vars = _needs_grad(plan, training, input_grad)
     impls, rows, total, alts = [], [], 0.0, []
+    runs = getattr(gi.g, "runs", None)      # an index graph (granii/pyg) runs no DGL kernel
     for step in plan.steps:
         if step.sig is None:
             impls.append("inline")
@@ -156,12 +157,16 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
         scale = 1 / PASSES["add"][1] if step.prim == "add" and any(
             _is_row(plan, a) for a in step.args) else 1.0
         for impl in step_impls(step):
+            if runs is not None and not runs(step.prim, impl, needed):
+                continue
             prim, need = _priced_as(step, impl, needed)
             t = scale * step_seconds(model, prim, impl, gi, dims, _heads(plan), need) + extra
             if (step.prim, impl) == ("gemm", "native"):       # reads X's nonzeros only
                 t *= sparse_rows.time_ratio(_density(plan, symbols, step.args[0]))
             amortised = step.when == GRAPH or (step.when == INPUT and cacheable)
             options.append((t / expected_calls if amortised else t, impl))
+        if not options:          # no kernel runs it on this graph: never preferred
+            options.append((float("inf"), step_impls(step)[0]))
         t, impl = min(options)
         if "E" in step.sig[2]:
             alts += [(len(impls), other, u - t) for u, other in options if other != impl]

@@ -80,7 +80,8 @@ def compile_pyg(layer, values):
         _ENUMERATED[key] = done
     n_trees, plans, n_promoted, n_orders, note = done
     leaves = {v: leaf for plan in plans for v, leaf in plan.leaves.items()}
-    return pir, Compiled(pir.layer_ir, n_trees, list(plans), leaves, n_promoted, n_orders, note)
+    return pir, Compiled(pir.layer_ir, n_trees, list(plans), leaves, n_promoted=n_promoted,
+                         n_orders=n_orders, note=note)
 
 
 class Prepared:

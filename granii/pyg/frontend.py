@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from .. import ir
+from ..dispatch import is_pyg_layer
 from . import kernels  # noqa: F401  (registers spmm_amax)
 from ..frontend import LayerIR, _check_complete
 from ..frontend import rules, udf
@@ -57,12 +58,6 @@ from .values import (PYG_VALUES, DegVec, EdgeCount, EdgeVal, EdgeW, Gathered, Me
 __all__ = ["PygIR", "lower_pyg", "is_pyg_layer", "FrontendError"]
 
 _UNSET = object()
-
-
-def is_pyg_layer(module):
-    """``module`` is a ``torch_geometric.nn.MessagePassing`` (without importing PyG)."""
-    return any(c.__name__ == "MessagePassing" and c.__module__.startswith("torch_geometric")
-               for c in type(module).__mro__)
 
 
 @dataclass

@@ -27,6 +27,7 @@ it is loaded), importing this module says so once, with how to rebuild, and regi
 the other implementations are used.
 """
 import hashlib
+import importlib.util
 import warnings
 import weakref
 from pathlib import Path
@@ -93,6 +94,8 @@ def library():
 
 def _import():
     if extension is not None:
+        # as an import statement would, a finder on sys.meta_path may refuse the module first
+        importlib.util.find_spec("granii._native")
         return extension.load()
     import granii._native as mod
     return mod

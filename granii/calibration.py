@@ -36,8 +36,9 @@ that far apart reorder plans (``bench/decisions_unseen.py --calibrations``). So 
 taken while other processes used more cores than the calibration's threads left free
 (``/proc/stat``), or whose small call exceeds ``CONTENDED`` (the bound
 ``profiling.harness.Probe`` puts on the same call), is taken again, and if every try was
-contended it is neither cached nor used: the models price calls unscaled, as on their own
-machine, and the next process measures again. A cached calibration written before these checks
+contended it is not used: the models price calls unscaled, as on their own machine, and
+processes measure again once ``BUSY_AGAIN`` seconds have passed (so a busy machine does not
+spend seconds calibrating in every process). A cached calibration written before these checks
 (no ``others_cores``), or over the bound, is measured again.
 """
 import hashlib
@@ -62,6 +63,7 @@ FORMAT = 1
 CONTENDED = 2e-3        # seconds of the small reference call beyond which the cores were busy
 QUIET_TRIES = 2         # measurements made before a contended machine's calibration is dropped
 QUIET_PAUSE = 0.5       # seconds between them
+BUSY_AGAIN = 600.0      # seconds a busy verdict is kept before processes measure again
 
 
 def prim_class(prim):
@@ -235,7 +237,10 @@ def this_machine(fingerprint, refresh=False, log=None):
             if cal.get("format") == FORMAT and set(cal.get("times", {})) == set(REFERENCE) \
                     and "others_cores" in cal and not contended(cal["times"]):
                 return cal
-        except (OSError, ValueError):
+            if cal.get("format") == FORMAT and cal.get("contended") and \
+                    0 <= time.time() - cal.get("measured_s", -1) < BUSY_AGAIN:
+                return cal                # busy a moment ago: not measured again yet
+        except (OSError, ValueError, TypeError):
             pass
     t0 = time.perf_counter()
     for attempt in range(QUIET_TRIES):
@@ -248,12 +253,11 @@ def this_machine(fingerprint, refresh=False, log=None):
     cal = {"format": FORMAT, "fingerprint_id": fid, "times": times,
            "seconds": round(time.perf_counter() - t0, 2), "others_cores": round(others, 2),
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cache": str(path)}
-    if busy:                      # not this machine's speed: not used, not kept
-        cal.update(times={}, contended=times, cache=None)
+    if busy:                      # not this machine's speed: not used; kept as "busy"
+        cal.update(times={}, contended=times, measured_s=time.time())
         if log is not None:
             log(f"granii: the machine was busy while calibrating (other processes used "
                 f"{others:.1f} cores); models unscaled")
-        return cal
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -24,8 +24,8 @@ full products, their log2; ``head_gemm``'s are ``m``, ``k``, ``n = heads x F`` a
 
 Models live in ``costmodels/<fingerprint id>/`` (``granii.fingerprint``) as one XGBoost JSON file
 per model and a ``manifest.json`` (with the machine's calibration, ``granii.calibration``);
-``load`` refuses a folder made for another machine, feature set or damaged file, with the command
-that fixes it. ``default_cost_model`` returns this machine's models; without them, the models of
+``load`` refuses a folder made for another machine or feature set, with the command that fixes
+it (a damaged model file: when its model is first needed). ``default_cost_model`` returns this machine's models; without them, the models of
 another machine rescaled by a short calibration of this one (``granii.calibration.Transfer``); a
 pair no model covers is priced by the analytical roofline with calibrated rates. Each of these
 substitutions is announced once.

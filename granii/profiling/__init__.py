@@ -1,1 +1,3 @@
-"""Profiling harness: graph generators and the training corpus for the per-primitive cost models."""
+"""Profiling harness: graph generators, the training corpus and the per-machine cost-model training
+(``granii-init``: ``init_machine``). It imports the library's cost-model code; nothing else in
+``granii`` imports it."""

@@ -51,9 +51,17 @@ For the diagnosis each row records the tie-break's candidates (what it timed, wh
 its medians), the cost model's prediction of each ranked plan, and whether the fastest plan was
 among those the tie-break timed.
 
+Besides granii's default cost model, the picks of the shipped models rescaled by a calibration
+measured inside the run, unscaled, and rescaled by a calibration this machine cached while other
+processes held the cores are scored on the same timings (``alternative_models``), and
+``emulate`` replays other tie-break settings on the recorded rounds.
+
 Writes ``times.csv`` (one row per candidate), ``regret.csv`` (one row per configuration) and
-``report.md``. ``--quick``: three small graphs, two layers, two size pairs (a few minutes). Run
-measurements under ``flock -x /tmp/granii-cpu.lock``.
+``report.md``. ``--quick``: three small graphs, two layers, two size pairs (a few minutes); the
+full run (nine graphs, four layers, three size pairs, both modes) about 15 minutes on a quiet
+2-core machine. Run measurements under ``flock -x /tmp/granii-cpu.lock``. ``--calibrations``
+only ranks (no timing): which picks a contended calibration changes
+(``calibration_decisions.md``).
 """
 import argparse
 import copy

@@ -367,12 +367,17 @@ def _model(first="gcn", second="sage_mean"):
     return TwoLayers(a, b)
 
 
-def _same_grads(model, original, x, *args):
-    out, ref = model(x, *args), original(x, *args)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    params = [p for p in model.parameters()]
-    for g, rg in zip(_grads(out, params), _grads(ref, list(original.parameters()))):
-        torch.testing.assert_close(g, rg, atol=1e-4, rtol=1e-4)
+def _same_grads(model, original, x, *args, calls=1):
+    """``calls`` calls of ``model`` equal ``original``'s in outputs and in the gradients of the
+    parameters and of the arguments that need one (the tie-break's turns run plans and the
+    original forward in turn)."""
+    extra = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    for _ in range(calls):
+        out, ref = model(x, *args), original(x, *args)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        for g, rg in zip(_grads(out, list(model.parameters()) + extra),
+                         _grads(ref, list(original.parameters()) + extra)):
+            torch.testing.assert_close(g, rg, atol=1e-4, rtol=1e-4)
 
 
 def test_granii_optimizes_a_pyg_model_and_restores_it(capsys):
@@ -384,7 +389,7 @@ def test_granii_optimizes_a_pyg_model_and_restores_it(capsys):
     assert granii(model, x, ei) is model
     ran = what_ran(model)
     assert set(ran) == {"first", "second"}
-    _same_grads(model, original, x, ei)                 # training, gradients of every parameter
+    _same_grads(model, original, x, ei, calls=4)        # training, gradients of every parameter
     assert all(r.kind in ("plan", "original") for r in what_ran(model).values()), what_ran(model)
     assert any(r.kind == "plan" for r in what_ran(model).values())
     model.eval()
@@ -405,9 +410,9 @@ def test_granii_passes_edge_weights_and_explains_a_refused_layer(capsys):
     model = TwoLayers(_layer("gcn"), pyg_nn.SAGEConv(5, 3, aggr=["mean", "max"]))
     original = copy.deepcopy(model)
     x, ei = torch.randn(14, 6), _graph("directed")
-    w = torch.rand(ei.shape[1]) + 0.5
+    w = (torch.rand(ei.shape[1]) + 0.5).requires_grad_()
     granii(model, x, ei, extra_args=(w,))
-    _same_grads(model, original, x, ei, w)
+    _same_grads(model, original, x, ei, w, calls=4)      # the edge weights' gradient too
     ran = what_ran(model)
     assert ran["second"].kind == "fallback" and "MultiAggregation" in ran["second"].reason
     assert ran["first"].kind in ("plan", "original")

@@ -229,6 +229,9 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
         return str(found)
     compiled = found
     call = bind_call(module, compiled.pyg, compiled, values, state)
+    # the pricing counts edge values among the inputs needing a gradient only with the
+    # features (``select._needs_grad``): an edge weight that needs one makes the call so
+    call.input_grad = call.input_grad or edge_grad(call)
     x = values[feat]
     ident = input_identity(x) if reuse_inputs else None
     call.input_repeats = _repeats(state, x, ident)

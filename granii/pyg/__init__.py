@@ -1,5 +1,10 @@
 """granii for PyTorch Geometric layers: lower a ``MessagePassing`` layer, enumerate and run its plans.
 
+A model holding PyG layers is optimized by the one entry point, with the arguments of one
+forward call: ``granii(model, x, edge_index)`` (then ``granii.explain(model)``,
+``granii.restore(model)``); the dispatcher binds each call through ``prepare_call``. The pieces,
+for tests and benchmarks:
+
     from granii import pyg
     prepared = pyg.prepare(conv, x, edge_index, edge_weight)   # lower + enumerate + bind one call
     out = pyg.run(prepared)                                    # the first promoted plan

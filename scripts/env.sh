@@ -24,6 +24,10 @@ native_want="$( (cd "$root" && ls granii/kernels/csrc/*.cpp granii/kernels/csrc/
   | LC_ALL=C sort | xargs cat) | sha256sum | cut -d' ' -f1)"
 # ninja (from the lock) must be on PATH for torch's extension builder
 export PATH="$venv/bin:$PATH"
+# one setup of a venv at a time (scripts/test.sh runs both stacks, engineers run it side by side)
+mkdir -p "$venv"
+exec 9>"$venv/.granii-setup.lock"
+flock 9
 
 # the build this venv's torch loads (granii/kernels/extension.py run by its path: no granii import)
 native_lib() { "$venv/bin/python" "$root/granii/kernels/extension.py"; }
@@ -50,7 +54,11 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
   fi
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check -r "$lock" >&2
-  "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check --no-deps --no-build-isolation -e "$root" >&2
+  # the package without the extension, then the extension as the rebuild below makes it: ninja
+  # reuses the object files of this torch's earlier build (build/<temp>/torch-<version>), where
+  # pip's editable build would compile everything again in a folder of its own
+  GRANII_NO_NATIVE=1 "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check --no-deps --no-build-isolation -e "$root" >&2
+  (cd "$root" && "$venv/bin/python" setup.py -q build_ext --inplace >&2) || true
   echo "$want" > "$stamp"
   echo "$native_want" > "$native_stamp"
   native_status

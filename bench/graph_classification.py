@@ -241,8 +241,8 @@ def _report(rows, cmd, out):
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "graph_classification.csv", rows)
     md = ["# Graph classification as DGL's GIN example trains it\n",
-          f"`{cmd}` (2 threads, CPU; each data set in a fresh process, under an exclusive lock "
-          "of the machine's benchmark runs). Generated data sets with the statistics of "
+          f"`{cmd}` (2 threads, CPU; each data set in a fresh process; the load average at the "
+          "foot). Generated data sets with the statistics of "
           "MUTAG and PROTEINS, batches of 128 graphs (a new `dgl.batch` each step), DGL's "
           "example model (4 GINConv layers, MLP with BatchNorm, hidden 16, sum pooling, "
           "dropout 0.5), Adam; after each epoch an evaluation pass over the training and the "

@@ -177,8 +177,9 @@ def _report(rows, cmd, out):
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "newgraph.csv", rows)
     md = ["# A new graph object at every call: granii against DGL\n",
-          f"`{cmd}` (2 threads, CPU; each configuration in a fresh process, under an exclusive "
-          "lock of the machine's benchmark runs). Each call on a new `dgl.rand_graph` of the "
+          f"`{cmd}` (2 threads, CPU; each configuration in a fresh process; the load average "
+          "at the foot: other work on the machine slows both libraries' calls and inflates "
+          "granii's one-off `granii(...)`). Each call on a new `dgl.rand_graph` of the "
           "node and edge counts below (self-loops added for GraphConv, GATConv, SGConv), new "
           "features; training calls run forward and backward. Medians over all calls, the "
           "first included; the totals add `granii(...)` (its decision on the first graph) to "

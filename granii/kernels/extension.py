@@ -38,26 +38,34 @@ def path(version=None):
     return PACKAGE_DIR / BUILDS / build_dir_name(version) / f"_native{suffix}"
 
 
+class _BuildFinder:
+    """Finds ``granii._native`` at ``path()``. It sits just before the path finder, so a finder
+    placed first (a test's, blocking the module) is still asked first, and a library left at the
+    old in-place location (``granii/_native*.so``) is never the one imported."""
+
+    @staticmethod
+    def find_spec(name, import_path=None, target=None):
+        if name != NAME or not path().is_file():
+            return None
+        return importlib.util.spec_from_file_location(NAME, path())
+
+
+def _install_finder():
+    if not any(isinstance(f, _BuildFinder) for f in sys.meta_path):
+        at = next((i for i, f in enumerate(sys.meta_path)
+                   if f is importlib.machinery.PathFinder), len(sys.meta_path))
+        sys.meta_path.insert(at, _BuildFinder())
+
+
 def load():
-    """The module ``granii._native`` built for the running torch; ``ImportError`` (saying which
-    file was looked for) when there is none or it does not load."""
-    if NAME in sys.modules:
-        return sys.modules[NAME]
-    lib = path()
-    if not lib.is_file():
-        raise ImportError(f"no build for torch {torch.__version__} ({lib} does not exist)",
-                          name=NAME, path=str(lib))
-    spec = importlib.util.spec_from_file_location(NAME, lib)
-    mod = importlib.util.module_from_spec(spec)       # runs the library's PyInit__native
-    sys.modules[NAME] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules[NAME]
-        raise
-    if "granii" in sys.modules:         # as an import statement would: granii._native
-        sys.modules["granii"]._native = mod
-    return mod
+    """The module ``granii._native`` built for the running torch, imported through the import
+    system; ``ImportError`` (saying which file was looked for) when there is none or it does not
+    load."""
+    _install_finder()
+    if NAME not in sys.modules and not path().is_file():
+        raise ImportError(f"no build for torch {torch.__version__} ({path()} does not exist)",
+                          name=NAME, path=str(path()))
+    return importlib.import_module(NAME)
 
 
 if __name__ == "__main__":      # scripts/env.sh: the file this environment's torch loads

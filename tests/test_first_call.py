@@ -76,6 +76,7 @@ def _own_folder(dest):
     return dest
 
 
+@pytest.mark.dgl                 # its child processes build DGL graphs
 @pytest.mark.parametrize("models", ["shipped", "own"])
 def test_a_later_process_reads_what_the_first_cached(tmp_path, models):
     """``shipped``: the checkout's folders as they are (on a machine without its own models,

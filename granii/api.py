@@ -206,13 +206,14 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
         layer.forward = Dispatcher(layer, name or type(layer).__name__, opts)
         wrapped.append(layer)
     # relational layers (RelGraphConv, HGTConv, HeteroGraphConv): their own dispatchers,
-    # granii/hetero_conv.py
-    from . import hetero_conv
-    for layer in wrapped:
-        if hetero_conv.dispatcher_class(layer) is not Dispatcher:
-            layer.forward = hetero_conv.dispatcher_class(layer)(layer, layer.forward.state.name,
-                                                                opts)
-    wrapped += hetero_conv.wrap_containers(model, opts)
+    # granii/hetero_conv.py (DGL's layers: without DGL loaded the model holds none)
+    if "dgl" in sys.modules:
+        from . import hetero_conv
+        for layer in wrapped:
+            if hetero_conv.dispatcher_class(layer) is not Dispatcher:
+                layer.forward = hetero_conv.dispatcher_class(layer)(
+                    layer, layer.forward.state.name, opts)
+        wrapped += hetero_conv.wrap_containers(model, opts)
     if inspect_now:
         try:
             _inspect(model, graph, feats, extra_args, extra_kwargs or {})

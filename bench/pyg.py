@@ -13,7 +13,8 @@ weights run ``--calls`` calls on new random features each call (64 -> 64):
     granii  ``granii(layer, x_0, edge_index)`` (lowering, enumeration, the decision, and the run
             it makes) then the calls: its first call is included in the total
 
-Reported: total seconds of each (granii's ``granii(...)`` included), their ratio, the median
+Reported: total seconds of each (granii's ``granii(...)`` included; the first configuration's
+also loads the cost models, once per process), their ratio, the median
 of the last half of the calls (steady state), what granii ran, and the largest difference of
 the outputs from PyG's (each call is checked). Writes ``results/pyg/pyg.csv`` and ``pyg.md``.
 Run under ``flock -x /tmp/granii-cpu.lock`` with 2 threads.
@@ -143,12 +144,22 @@ def main(argv=None):
     return rows
 
 
+def markdown_from_csv(csv_path, md_path, command):
+    """``pyg.md`` written again from ``pyg.csv`` (numbers read back as floats)."""
+    import csv
+    with open(csv_path) as f:
+        rows = [{k: (float(v) if k.endswith(("_s", "_ms", "_diff")) or k.startswith("speedup")
+                     else v) for k, v in r.items()} for r in csv.DictReader(f)]
+    write_markdown(md_path, rows, command)
+
+
 def write_markdown(path, rows, command):
     lines = [f"# granii against PyG's eager forward, single layers (k = {K} -> {K})", "",
              f"`{command}`, 2 threads, new random features each call. *total*: PyG's calls "
              "against `granii(layer, x, edge_index)` plus the same calls (its first included); "
              "*steady*: medians of the last half of the calls. Each output checked against "
-             "PyG's (*diff*).", "",
+             "PyG's (*diff*). The first row's setup includes loading this machine's cost models "
+             "(once per process).", "",
              "| graph | layer | mode | PyG total s | granii total s (setup) | total x | "
              "PyG ms/call | granii ms/call | steady x | ran | diff |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

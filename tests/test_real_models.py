@@ -34,6 +34,10 @@ RTOL = 1e-4
 # cancellation: its rounding error relative to its largest entry is a few times an output's (GAT's
 # attn_r in float32: up to 4.3e-4 seen with plans that agree with DGL to 1e-9 in float64).
 RTOL_GRAD = 6e-4
+# GAT's attention vectors: their gradient is almost all cancellation (softmax gradients sum to zero
+# over each node's in-edges), so float32 rounding is larger still: DGL's own float32 gradient of
+# attn_r was up to 2.6e-3 (relative to its largest entry) off a float64 reference on trained models.
+RTOL_ATTN = 3e-3
 ATOL = 1e-6
 CALLS = 3
 GRAPHS = {"directed": directed, "undirected": undirected, "zero_in_degree": zero_in_degree}
@@ -66,7 +70,8 @@ def assert_same_grads(model, ref, what):
             assert p.grad is None, f"{what}: '{name}' has a gradient, DGL gives it none"
             continue
         assert p.grad is not None, f"{what}: '{name}' has no gradient, DGL gives it one"
-        assert_close(p.grad, q.grad, f"{what}: gradient of '{name}'", RTOL_GRAD)
+        rtol = RTOL_ATTN if name.rsplit(".", 1)[-1].startswith("attn_") else RTOL_GRAD
+        assert_close(p.grad, q.grad, f"{what}: gradient of '{name}'", rtol)
 
 
 def assert_same_buffers(model, ref, what):

@@ -22,6 +22,7 @@ import torch
 from .dispatch import (Dispatcher, Options, Ran, _any_requires_grad, dispatcher_of, inspecting,
                        is_pyg_layer, layer_states, leaf_vals_order, prepare)
 from .explain import explain
+from . import pyg  # noqa: F401  (binds PyTorch Geometric layers' calls for the dispatcher)
 from .kernels import pool
 from .plan import plan_code
 from .select import EXPECTED_CALLS

@@ -1096,10 +1096,10 @@ class Call:
 
 def prepare(state, module, args, kwargs, reuse_inputs=True):
     """Bind a call of ``module``; a string (the reason) when the original forward must run.
-    A PyTorch Geometric layer is bound by ``granii/pyg`` (``forward(x, edge_index, ...)``)."""
-    if is_pyg_layer(module):
-        from .pyg import prepare_call
-        return prepare_call(state, module, args, kwargs, reuse_inputs)
+    A layer another frontend claims (``CALL_BINDERS``) is bound by it."""
+    for claims, bind in CALL_BINDERS:
+        if claims(module):
+            return bind(state, module, args, kwargs, reuse_inputs)
     values = _bind_arguments(state, args, kwargs)
     names = list(values)
     graph, feat = values[names[0]], values[names[1]]
@@ -1682,6 +1682,9 @@ def _size_message(state, leaf, val, sym, have, n, feat):
     return f"{layer}: size '{sym}' is {have} in one operand and {n} in '{leaf.name}'"
 
 
+# (claims(module), prepare(state, module, args, kwargs, reuse_inputs)) of frontends other than
+# DGL's: granii/pyg registers PyTorch Geometric's layers when imported (granii/api.py imports it)
+CALL_BINDERS = []
 _PYG_CLASSES = {}
 
 

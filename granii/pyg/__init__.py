@@ -243,3 +243,12 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
     state.last_input = None if ident is None else (weakref.ref(x), ident)
     call.key = (id(compiled),) + key
     return call
+
+
+def _register():
+    from ..dispatch import CALL_BINDERS, is_pyg_layer as claims
+    if all(c is not claims for c, _ in CALL_BINDERS):
+        CALL_BINDERS.append((claims, prepare_call))
+
+
+_register()

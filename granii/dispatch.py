@@ -63,8 +63,8 @@ class Compiled:
     leaves: dict = field(default_factory=dict)       # variable -> Leaf, over every plan
     n_promoted: int = 0                              # plans that survived pruning
     n_orders: int = 0                                # binary association orders in all
-    symbols: dict = field(default_factory=dict)      # shapes of a call -> (symbols, sorted)
     note: str = ""                                   # what bounded enumeration (``explain``)
+    symbols: dict = field(default_factory=dict)      # shapes of a call -> (symbols, sorted)
     views: dict = field(default_factory=dict)        # variable -> (weight, key, view) no grad
 
 

@@ -68,6 +68,20 @@ def test_granii_imports_with_dgl_blocked():
         assert repr(prim) in out
 
 
+def test_calibration_without_dgl_prices_unscaled():
+    """Without DGL the reference calls (DGL's SpMM) cannot be timed: the calibration says so and
+    is empty, so transferred models price calls unscaled instead of failing."""
+    out = run_without_dgl("""
+        import os, tempfile
+        os.environ["GRANII_CACHE"] = tempfile.mkdtemp()
+        from granii import calibration
+        from granii.fingerprint import machine_fingerprint
+        cal = calibration.this_machine(machine_fingerprint(), refresh=True)
+        print(cal["times"], cal["unavailable"])
+    """)
+    assert "{} dgl" in out
+
+
 # -- a graph of torch tensors ------------------------------------------------------------------
 class CsrGraph:
     """Edges ``src[e] -> dst[e]`` of a graph with ``n`` nodes, held as torch tensors."""

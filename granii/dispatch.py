@@ -1296,10 +1296,16 @@ def compile_layer(module, present, is_block, real=None):
         return e
     except Exception as e:       # noqa: BLE001
         return _failure("the frontend", e)
+    return compiled(lir, type(module).__name__)
+
+
+def compiled(lir, name):
+    """The ``Compiled`` plans of a lowered layer (any frontend's), or the exception that stopped
+    its enumeration; the enumerated plans of one IR are shared by every layer that lowers to it."""
     key = (lir.root, lir.heads)
     done = _ENUMERATED.get(key)
     if done is None:
-        done = _enumerate(lir, type(module).__name__)
+        done = _enumerate(lir, name)
         if isinstance(done, Exception):
             return done
         if len(_ENUMERATED) >= _ENUMERATED_MAX:

@@ -70,23 +70,14 @@ def unsupported_input(values, feat, graph):
 def compile_pyg(layer, values):
     """``(PygIR, Compiled)`` of ``layer`` for the call signature of ``values``; raises
     ``FrontendError`` (or ``RaisesForConfig``) when the forward is not lowered."""
-    from ..dispatch import _ENUMERATED, _ENUMERATED_MAX, Compiled, _enumerate
+    from ..dispatch import compiled
     names = list(values)
     kind = input_kind(values[names[1]])
     pir = lower_pyg(layer, values, kind)
-    key = (pir.layer_ir.root, None)        # plans shared with every layer of the same IR
-    done = _ENUMERATED.get(key)
-    if done is None:
-        done = _enumerate(pir.layer_ir, type(layer).__name__)
-        if isinstance(done, Exception):
-            raise done
-        if len(_ENUMERATED) >= _ENUMERATED_MAX:
-            _ENUMERATED.pop(next(iter(_ENUMERATED)))
-        _ENUMERATED[key] = done
-    n_trees, plans, n_promoted, n_orders, note = done
-    leaves = {v: leaf for plan in plans for v, leaf in plan.leaves.items()}
-    return pir, Compiled(pir.layer_ir, n_trees, list(plans), leaves, n_promoted=n_promoted,
-                         n_orders=n_orders, note=note)
+    done = compiled(pir.layer_ir, type(layer).__name__)
+    if isinstance(done, Exception):
+        raise done
+    return pir, done
 
 
 class Prepared:

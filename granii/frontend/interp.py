@@ -384,6 +384,11 @@ class Interpreter:
             else:
                 args.append(self.eval(a))
         kwargs = {k.arg: self.eval(k.value) for k in e.keywords if k.arg is not None}
+        return self.call(func, args, kwargs, e)
+
+    def call(self, func, args, kwargs, e):
+        """``func(*args, **kwargs)``, the call at ``e`` in the source, by the frontend's rules (a
+        framework's frontend adds its own calls here)."""
         if isinstance(func, Method):
             return rules.call_method(self, func, args, kwargs, e)
         return rules.call_function(self, func, args, kwargs, e)

@@ -130,15 +130,7 @@ class PygInterpreter(Interpreter):
         self.edge_values = {}
 
     # -- expressions ---------------------------------------------------------------------------
-    def expr_Call(self, e):
-        func = self.eval(e.func)
-        args = []
-        for a in e.args:
-            if isinstance(a, ast.Starred):
-                args.extend(self.eval(a.value))
-            else:
-                args.append(self.eval(a))
-        kwargs = {k.arg: self.eval(k.value) for k in e.keywords if k.arg is not None}
+    def call(self, func, args, kwargs, e):
         rule = _pyg_rule(self, func, args, kwargs)
         if rule is not None:
             return _call_rule(self, rule, func, args, kwargs, e)

@@ -46,6 +46,7 @@ from .fuse import fused_variants
 from .frontend import FrontendError, RaisesForConfig, lower_layer
 from .frontend.rules import Same, config_summary
 from .graph import graph_info, known_info
+from . import ir
 from .featurize import class_shape
 from .kernels import native, pool, sparse_rows
 from .memory import plan_memory
@@ -358,6 +359,8 @@ def _run(state, dkey, label, fn, order, call, layer, args, kwargs):
 _GRAD = 0                # where ``torch.is_grad_enabled()`` is in a call guard
 _PLAIN = (type(None), bool, int, float, str)
 _FAST_ENTRIES = 32       # fast entries kept per (layer, graph): guards beyond that are rare
+_FAST_AFTER = 6          # normal-path calls on a graph before its fast path is built
+_SEEN = object()         # the key of that count in a graph's table (never a call guard)
 _FAST_BUILDS = 16        # runs made per entry: an attribute re-assigned on every call (or a run
                          # that cannot be made) leaves the calls to the normal path, unpaid for
 
@@ -496,9 +499,20 @@ class _BindWriter:
     def compile(self, returned):
         self.lines.append(f"    return ({''.join(e + ', ' for e in returned)})")
         source = "\n".join(self.lines) + "\n"
+        code = _BIND_CODE.get(source)
+        if code is None:
+            if len(_BIND_CODE) >= _BIND_CODE_KEPT:
+                _BIND_CODE.clear()
+            code = _BIND_CODE[source] = compile(source, "<granii fast path>", "exec")
         ns = dict(self.consts)
-        exec(compile(source, "<granii fast path>", "exec"), ns)
+        exec(code, ns)
         return ns["bind"], source
+
+
+# the code of a bind by its source: a layer called on many graphs (a new batch each step) writes
+# the same source for each, with its own constants, and compiling it costs a quarter millisecond
+_BIND_CODE = {}
+_BIND_CODE_KEPT = 256
 
 
 def _store_of(obj, name):
@@ -567,11 +581,16 @@ def _fast_run(state, options, layer, hit, args, kwargs):
 def _remember(state, layer, guard, call, decision, args, kwargs):
     """Keep ``decision`` (verified, just run the normal way) as this call's fast path.
 
-    Not on the first call on a graph: a sampled block is called once, and would only pay for
-    a run it never uses."""
+    Not before ``_FAST_AFTER`` calls on a graph: a sampled block is called once, and a batch
+    of graph classification a few times (a readout after each layer); building a run costs
+    more than the calls it would speed up there."""
     table = state.fast.get(call.gi)
     if table is None:
-        state.fast[call.gi] = {}
+        state.fast[call.gi] = {_SEEN: 1}
+        return
+    seen = table.get(_SEEN, _FAST_AFTER)
+    if seen < _FAST_AFTER:
+        table[_SEEN] = seen + 1
         return
     entry = table.get(guard)
     if entry is None or entry.compiled is not call.compiled:
@@ -580,6 +599,7 @@ def _remember(state, layer, guard, call, decision, args, kwargs):
             return
         if len(table) >= _FAST_ENTRIES:
             table.clear()
+            table[_SEEN] = _FAST_AFTER
         place = _places(names, defaults, len(args), kwargs)
         builds = entry.builds if entry is not None else 0
         entry = table[guard] = FastEntry(call.compiled, _arg_reader(names[1], place),
@@ -1434,13 +1454,19 @@ def graph_class_key(call):
     return ("graph", call.key, sizes)
 
 
-def graph_shape(gi):
+def graph_shape(gi, structural=True):
     """``featurize.class_shape`` of a whole graph, once per graph. With the native kernels the
     degrees come from the pass that builds their index (``native.csr_index``), which their
-    plans read next."""
+    plans read next. A layer that reads no edge of the graph (a readout) is placed by its sizes
+    alone (``structural`` false): counting degrees would cost it more than its call."""
+    if not structural:
+        return class_shape(gi.num_src, gi.num_edges, None, None, (0.0, 0.0, 0.0))
+
     def make():
         graph_index(gi)
-        return class_shape(gi.num_src, gi.num_edges, gi.in_degrees(), gi.out_degrees())
+        stats = gi.cache.get("degree_stats")
+        return class_shape(gi.num_src, gi.num_edges, gi.in_degrees(), gi.out_degrees(),
+                           None if stats is None else stats.tolist())
     return gi.memo("class_shape", make)
 
 
@@ -1450,11 +1476,26 @@ def _class_decision(state, call, mode):
     coordinate (sizes and degree statistics within a factor of 1.7). A graph like none of them
     decides anew (``_new_class``)."""
     key = graph_class_key(call) + mode
-    shape = graph_shape(call.gi)
+    shape = graph_shape(call.gi, reads_edges(call.compiled.layer_ir.root))
     for record in state.classes.get(key, ()):
         if all(abs(a - b) <= SHAPE_SLACK for a, b in zip(record["shape"], shape)):
             return key, shape, record
     return key, shape, None
+
+
+_EDGE_SOURCES = ("graph", "edge", "degree", "wdegree", "select")
+
+
+def reads_edges(root):
+    """Whether the layer IR ``root`` reads the graph's edges (an adjacency, degrees, edge
+    values or an aggregation over in-edges), or only its sizes and batch (a readout)."""
+    if isinstance(root, ir.Leaf):
+        return root.source[0] in _EDGE_SOURCES
+    if isinstance(root, ir.Aggregate):
+        return root.out_rows is None or reads_edges(root.x)
+    if isinstance(root, (ir.EdgeScore, ir.EdgeSoftmax, ir.SparseEdges)):
+        return True
+    return any(reads_edges(c) for c in ir.children(root))
 
 
 def _new_class(state, key, shape, decision, call):

@@ -197,7 +197,7 @@ def featurize(gi, sizes):
     return np.array([g[name] for name in FEATURE_NAMES] + vals, dtype=np.float64)
 
 
-def class_shape(n, e, in_deg, out_deg):
+def class_shape(n, e, in_deg, out_deg, stats=None):
     """What places a whole graph in a class of graphs one decision serves (``dispatch``): with
     ``n`` nodes, ``e`` edges and float degree vectors ``in_deg``, ``out_deg``,
 
@@ -206,9 +206,14 @@ def class_shape(n, e, in_deg, out_deg):
 
     Two graphs are alike when every coordinate differs by at most a set slack: sizes, largest
     degrees and the spread of the in-degrees within a factor. ``O(n)``, on degree vectors the
-    kernels' index already counted."""
+    kernels' index already counted; ``stats``, when that pass gave them: ``(max in_deg,
+    max out_deg, std in_deg)``."""
     if n == 0 or e == 0:
         return (math.log2(1 + n), math.log2(1 + e), 0.0, 0.0, 0.0)
+    if stats is not None:
+        max_in, max_out, std_in = stats
+        return (math.log2(1 + n), math.log2(1 + e), math.log2(1 + max_in),
+                math.log2(1 + max_out), math.log2(1 + std_in))
     d_in, d_out = in_deg.numpy(), out_deg.numpy()
     return (math.log2(1 + n), math.log2(1 + e), math.log2(1 + float(d_in.max())),
             math.log2(1 + float(d_out.max())), math.log2(1 + float(d_in.std())))

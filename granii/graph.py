@@ -56,7 +56,17 @@ def nbytes(value, seen=None):
     return total
 
 
+_SPARSE_PARTS = {torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+                 torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+                 torch.sparse_coo: ("_indices", "_values")}
+
+
 def _storage_bytes(t, seen):
+    if t.layout != torch.strided:
+        # a sparse tensor has no storage of its own; asking for one raises an error whose C++
+        # backtrace costs about a millisecond, so its parts are counted instead
+        parts = _SPARSE_PARTS.get(t.layout, ())
+        return sum(_storage_bytes(getattr(t, name)(), seen) for name in parts)
     try:
         storage = t.untyped_storage()
     except RuntimeError:
@@ -146,14 +156,24 @@ class GraphInfo:
         otherwise counted from its edge list, which is all a new ``dgl.batch`` or ``dgl.graph``
         holds, by one counting sort (``edge_list_csc``): DGL building its index costs
         several times that. Not cached: a caller keeps what it derives."""
-        g = self.g
-        made = g.formats()["created"] if hasattr(g, "formats") else ()
-        if "coo" in made and "csc" not in made:
-            u, v = g.edges(order="eid")
-            built = edge_list_csc(u, v, self.num_dst)
+        edges = self.edge_list()
+        if edges is not None:
+            built = edge_list_csc(*edges, self.num_dst)
             if built is not None:
                 return built
-        return g.adj_tensors("csc")
+        return self.g.adj_tensors("csc")
+
+    def edge_list(self):
+        """``(src, dst)`` in edge-id order when that is all the graph holds (a new ``dgl.batch``
+        or ``dgl.graph``, a PyG edge index), else ``None``: an index the graph already has is
+        cheaper to read than to count again."""
+        g = self.g
+        if not hasattr(g, "formats"):
+            return g.edges(order="eid")
+        made = g.formats()["created"]
+        if "coo" in made and "csc" not in made:
+            return g.edges(order="eid")
+        return None
 
     def csr_in(self):
         """``(indptr, src_indices, eids)``: ``A`` with one row per destination node."""
@@ -193,6 +213,29 @@ class GraphInfo:
         ``out_degrees`` and ``in_degrees`` to return unless they already have theirs."""
         self.memo("out_deg", lambda: out_deg)
         self.memo("in_deg", lambda: in_deg)
+
+    def segments(self):
+        """``(counts, offsets)`` of the graphs of a batch (``dgl.batch``): node counts (int64)
+        and their running sums from 0 (``G + 1``, int64). A graph that is no batch is one
+        segment. Read from the graph at each call (``set_batch_num_nodes`` changes them, not
+        the structure); the offsets are kept while the counts are the same tensor, unchanged."""
+        g = self.g
+        counts = g.batch_num_nodes() if hasattr(g, "batch_num_nodes") else None
+        hit = self.cache.get("segments")
+        if counts is not None and hit is not None and hit[0] is counts \
+                and hit[1] == counts._version:
+            return hit[2]
+        given = counts
+        counts = torch.tensor([self.num_src]) if counts is None else counts.long()
+        offsets = torch.zeros(counts.numel() + 1, dtype=torch.long)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        if int(offsets[-1]) != self.num_src:
+            raise ValueError(f"granii: the batch's node counts add up to {int(offsets[-1])}, "
+                             f"the graph has {self.num_src} nodes")
+        value = (counts, offsets)
+        if given is not None:
+            self.cache["segments"] = (given, given._version, value)
+        return value
 
     def edges(self):
         """``(src, dst)`` node ids of each edge, in edge-id order."""

@@ -19,7 +19,9 @@ Inner nodes:
     RowBroadcast(d, x)     ``c_ij = d_i x_ij``; the rewrite pass turns it into ``MatMul(diag(d), x)``
     Add(a, b)              ``a + b`` (with row broadcasting of a 1 x k operand, as for a bias)
     Apply(ref, x)          a barrier: a non-linear function nothing re-associates across
-    Aggregate(prim, x)     a barrier that needs the graph: a non-linear aggregation (max, min)
+    Aggregate(prim, x)     a barrier that needs the graph: a non-linear aggregation (max, min), or
+                           a readout (``readout_sum``/``readout_mean``: one row per graph of a
+                           batch, ``G`` rows, DGL's ``sum_nodes`` and its kin)
     Store(attr, x)         a barrier: ``x``, also kept on the module (``self.attr = x``)
     Cat(parts)             ``[X_0, X_1, ...]`` side by side (width ``k+k+...``), multiplied by a weight
 
@@ -184,9 +186,12 @@ class Apply(_Inner):
 class Aggregate(_Inner):
     prim: str
     x: object
+    out_rows: str = None         # a readout's "G"; else the destinations of ``x``'s rows
 
     @property
     def rows(self):
+        if self.out_rows is not None:
+            return self.out_rows
         return "N_dst" if self.x.rows == "N_src" else self.x.rows
 
     @property
@@ -194,6 +199,8 @@ class Aggregate(_Inner):
         return self.x.cols
 
     def __str__(self):
+        if self.out_rows is not None:
+            return f"{self.prim}({self.x})"
         return f"{self.prim}(A, {self.x})"
 
 

@@ -163,7 +163,10 @@ def lower(index, root, choice, scenarios=(), heads=None):
         if isinstance(n, ir.Aggregate):
             x = value(n.x)
             lv = ir_leaves(n)
-            return emit(n, n.prim, (x,), _when(lv), str(n), signature(n), _inputs(lv))
+            # a readout reads the batch's node counts, which change without the structure
+            # (``set_batch_num_nodes``): no once-per-graph or once-per-input key holds them
+            when = EVERY if n.out_rows is not None else _when(lv)
+            return emit(n, n.prim, (x,), when, str(n), signature(n), _inputs(lv))
         raise TypeError(f"cannot lower {n!r}")
 
     def node_step(n):

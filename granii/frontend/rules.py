@@ -265,6 +265,26 @@ def update_all(it, graph, msg, red, node):
     graph.frames["dst"][red.out_field] = Tensor(out, x.ndim)
 
 
+READOUTS = {"sum_nodes": "sum", "mean_nodes": "mean"}
+
+
+def readout(it, op, args, kwargs, node):
+    """DGL's ``sum_nodes(graph, feat)`` (and ``mean_nodes``): per graph of a batch, the sum
+    (mean) of the node feature ``feat`` over its nodes, ``G`` rows. As a matrix, ``R H`` with
+    ``R`` (G x N) one row per graph holding ones at its nodes (the mean divides by its node
+    count, at least 1). Only node features of a whole graph, without ``weight``."""
+    graph = args[0]
+    extra = dict(zip(("feat", "weight"), args[1:]), **kwargs)
+    if extra.get("weight") is not None or extra.get("ntype") is not None:
+        fail(node, f"{op} readout with a weight or node type", "not lowered")
+    if graph.is_block:
+        fail(node, f"{op} readout of a block", "a readout reads whole graphs")
+    x = graph.frames["src"].get(extra.get("feat"))
+    if not isinstance(x, Tensor) or x.ndim != 2:
+        fail(node, f"{op} readout", "only N x k node features are lowered")
+    return Tensor(ir.Aggregate(f"readout_{op}", x.node, "G"), 2)
+
+
 def edge_weight_norm(it, module, w, node):
     """DGL's ``EdgeWeightNorm(norm="both", eps)(graph, w)`` of an edge-weight argument:
     ``w_e d_in(v)^-1/2 d_out(u)^-1/2`` with ``d`` the weighted degrees (the sums of the weights
@@ -612,6 +632,8 @@ def call_function(it, func, args, kwargs, node):
         return func(*args, **kwargs)          # list.append(x) and friends hold symbolic values
     if func is len and isinstance(args[0], Shape):
         return args[0].ndim
+    if name in READOUTS and modname == "dgl.readout" and args and isinstance(args[0], Graph):
+        return readout(it, READOUTS[name], args, kwargs, node)
     if name == "edge_softmax" and modname.startswith("dgl") and isinstance(args[1], Edges):
         return Edges(node=ir.EdgeSoftmax(edge_node(it, args[1], node)))
     if isinstance(func, nn.Module) and len(args) == 1 and isinstance(args[0], Edges):

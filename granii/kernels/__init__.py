@@ -7,10 +7,12 @@ Every implementation is differentiable in all its tensor inputs, edge values inc
 
 Primitives: ``gemm``, ``row_scale`` (dense); ``spmm``, ``spmm_weighted``, ``spmm_mean``,
 ``spmm_max`` (sparse-dense products); ``sddmm_scale``, ``sddmm_add`` (edge values from node
-values); ``edge_softmax``; ``spmm_norm`` (``act(D_dst^a A D_src^b X + bias)``, see ``native.py``).
+values); ``edge_softmax``; ``spmm_norm`` (``act(D_dst^a A D_src^b X + bias)``, see ``native.py``);
+``readout_sum``, ``readout_mean`` (one row per graph of a batch, ``readout.py``).
 """
 from granii.kernels.registry import REGISTRY, get, implementations, register
 from granii.kernels import dense, sddmm, softmax, spmm  # noqa: F401  (registration)
 from granii.kernels import head_dot, native, native_gat, sparse_rows  # noqa: F401,E402  ("native" if built)
+from granii.kernels import readout  # noqa: F401,E402
 
 __all__ = ["REGISTRY", "register", "get", "implementations"]

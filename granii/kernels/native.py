@@ -170,7 +170,9 @@ def csr_index(gi, which="a"):
     """The ``CsrIndex`` of ``A`` or ``A^T`` of graph ``gi``, built once per graph on first use.
 
     ``A`` is DGL's in-edge index (a sampled block comes with it) in the index type, read in one
-    pass (``csr_narrow``) that also counts the degrees, which ``gi.out_degrees()`` and
+    pass (``csr_narrow``) that also counts the degrees; a graph that holds only its edge list
+    (a new batch) is counted from it (``coo_to_csr``, with the degree statistics of
+    ``featurize.class_shape``), which ``gi.out_degrees()`` and
     ``gi.in_degrees()`` then return. ``A^T`` is transposed from it (``csr_transpose``, a
     counting sort), which also gives the position in ``A`` of each entry
     (``CsrIndex.pos``). On a block, DGL's out-degrees and out-edge index would each cost
@@ -182,8 +184,14 @@ def csr_index(gi, which="a"):
                 a.indptr, a.indices, a.eids, gi.num_src)
             return CsrIndex(indptr, indices, eids, gi.num_src, gi.num_dst, pos)
         small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
-        indptr, indices, eids, out_deg, in_deg = torch.ops.granii.csr_narrow(
-            *(t.long().contiguous() for t in gi.csc()), gi.num_src, small)
+        edges = None if gi.is_block else gi.edge_list()
+        if edges is not None:
+            indptr, indices, eids, out_deg, in_deg, stats = torch.ops.granii.coo_to_csr(
+                *edges, gi.num_src, gi.num_dst, small)
+            gi.memo("degree_stats", lambda: stats)
+        else:
+            indptr, indices, eids, out_deg, in_deg = torch.ops.granii.csr_narrow(
+                *(t.long().contiguous() for t in gi.csc()), gi.num_src, small)
         gi.set_degrees(out_deg, in_deg)
         return CsrIndex(indptr, indices, eids, gi.num_dst, gi.num_src)
     return gi.memo(("native_csr", which), make)

@@ -1,0 +1,92 @@
+"""Readouts: one row per graph of a batch, DGL's ``sum_nodes`` and ``mean_nodes``.
+
+With ``R`` (G x N) holding a one at each node of each graph of the batch,
+
+    readout_sum(X)  = R X
+    readout_mean(X) = C^-1 R X        C = diag(node counts, clamped to 1)
+
+so a graph without nodes reads 0, as DGL's ``segment_reduce`` gives. ``dgl.batch`` keeps the nodes
+of graph ``b`` contiguous (rows ``offsets[b]:offsets[b+1]`` of ``X``), so ``R`` is the CSR with
+row pointers ``offsets`` and column indices ``0 .. N-1``: the native SpMM sums each segment (a
+tenth of DGL's readout call on a batch of small graphs), and the gradient ``R^T C^-1 dY`` copies
+each graph's row of ``dY`` back to its nodes (``repeat_interleave``). Without the native kernels,
+or for dtypes they do not take, ``index_add_`` computes the same sum.
+"""
+import torch
+
+from granii.kernels import native
+from granii.kernels.registry import register
+
+
+def _segments(gi):
+    """``(counts, csr)`` of ``gi``'s batch (``GraphInfo.segments``); ``csr``: ``R``'s row
+    pointers and column indices for the native SpMM (int32; the indices a view of one shared
+    ``0, 1, 2, ...``), ``None`` without it; kept while the batch's counts are the same."""
+    counts, offsets = gi.segments()
+    hit = gi.cache.get("readout_csr")
+    if hit is None or hit[0] is not counts:
+        n = int(offsets[-1])
+        csr = None
+        if native.available() and n < 2 ** 31:
+            csr = (offsets.to(torch.int32), _iota(n))
+        hit = gi.cache["readout_csr"] = (counts, csr)
+    return counts, hit[1]
+
+
+_IOTA = [torch.arange(0, dtype=torch.int32)]
+
+
+def _iota(n):
+    """``0 .. n-1`` (int32), a view of one tensor grown as needed."""
+    if _IOTA[0].numel() < n:
+        _IOTA[0] = torch.arange(max(n, 2 * _IOTA[0].numel()), dtype=torch.int32)
+    return _IOTA[0][:n]
+
+
+class _SegmentSum(torch.autograd.Function):
+    """``Y = diag(scale) R X`` (``scale`` ``None``: ones), ``X`` ``(N, width)``."""
+
+    @staticmethod
+    def forward(ctx, x, indptr, indices, counts, scale):
+        ctx.save_for_backward(counts, scale)
+        n, width = x.shape
+        y = torch.ops.granii.spmm_csr(indptr, indices, x.reshape(n, 1, width), None, None,
+                                      scale, None, None, 0, 0, None)
+        return y.reshape(indptr.numel() - 1, width)
+
+    @staticmethod
+    def backward(ctx, gy):
+        counts, scale = ctx.saved_tensors
+        if scale is not None:
+            gy = gy * scale.unsqueeze(1)
+        return gy.repeat_interleave(counts, dim=0), None, None, None, None
+
+
+def _readout(gi, x, mean):
+    counts, csr = _segments(gi)
+    g = counts.numel()
+    flat = x.reshape(x.shape[0], -1)
+    scale = counts.to(x.dtype).clamp(min=1).reciprocal() if mean else None
+    if (csr is not None and x.dtype in (torch.float32, torch.float64) and flat.shape[0] > 0
+            and flat.shape[1] > 0):
+        y = _SegmentSum.apply(flat.contiguous(), csr[0], csr[1], counts,
+                              None if scale is None else scale.contiguous())
+    else:
+        graph_of_node = torch.repeat_interleave(torch.arange(g), counts)
+        y = flat.new_zeros((g, flat.shape[1])).index_add_(0, graph_of_node, flat)
+        if scale is not None:
+            y = y * scale.unsqueeze(1)
+    return y.reshape(g, *x.shape[1:])
+
+
+@register("readout_sum", "segment")
+def readout_sum(gi, x):
+    """``Y[b] = sum of X[v]`` over the nodes ``v`` of graph ``b``."""
+    return _readout(gi, x, False)
+
+
+@register("readout_mean", "segment")
+def readout_mean(gi, x):
+    """``Y[b] = mean of X[v]`` over the nodes of graph ``b``; 0 for a graph without nodes."""
+    return _readout(gi, x, True)
+

@@ -116,6 +116,7 @@ class LayerState:
     classes: dict = field(default_factory=dict)      # graph-class key -> [class record]
     class_reused: int = 0                            # calls on a new whole graph that reused
                                                      # its class's decision
+    class_fast: dict = field(default_factory=dict)   # size-free guard -> [(record, entry)]
     ranked: int = 0                                  # rankings made (``_decide``)
 
 
@@ -216,6 +217,10 @@ def dispatch(state, options, layer, args, kwargs):
         hit = _fast_hit(state, options, layer, guard, args, kwargs)
         if hit is not None:
             return _fast_run(state, options, layer, hit, args, kwargs)
+        if state.class_fast and not options.per_batch:
+            hit = _class_hit(state, options, layer, guard, args, kwargs)
+            if hit is not None:
+                return _class_run(state, options, layer, hit, guard, args, kwargs)
     return _dispatch(state, options, layer, args, kwargs, guard)
 
 
@@ -251,7 +256,7 @@ def _dispatch(state, options, layer, args, kwargs, guard):
         _fell_back(state, state.failed[dkey])
         return original_forward(layer, args, kwargs)
     decision = per_graph.get(dkey)
-    skey = ckey = None
+    skey = ckey = record = None
     if decision is None and not options.per_batch:
         if call.gi.is_block:
             skey, decision = _sampler_decision(state, call, mode)
@@ -281,6 +286,9 @@ def _dispatch(state, options, layer, args, kwargs, guard):
     out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
     if guard is not None and (fn is None or (dkey, label) in state.verified):
         _remember(state, layer, guard, call, (label, fn, order), args, kwargs)
+        if ckey is not None and record is not None:
+            _remember_class(state, layer, guard, call, record, (label, fn, order), args,
+                            kwargs)
     return out
 
 
@@ -576,6 +584,162 @@ def _fast_run(state, options, layer, hit, args, kwargs):
         return original_forward(layer, args, kwargs)
     state.ran = _ran_plan(run.label)
     return run.fn(gi, layer, *vals)
+
+
+# -- the class path ----------------------------------------------------------------------------------
+# A new whole graph of a known class (graph classification: a new ``dgl.batch`` each step) has no
+# fast entry of its own, and binding its call the normal way costs more than a small layer's
+# work. Once a class's decision is settled and has run on one of its graphs, its ``FastRun`` is
+# kept under the call guard with the graph's sizes taken out (``_size_free``); a call on a new
+# graph of that class then runs the graph's own checks once (``_graph_checks``) and the run,
+# and a run that raises on it gives its random numbers back and leaves the call to the normal
+# path, as a plan's first run on a graph does there.
+_CLASS_FAST_KEPT = 16    # (class, run) pairs kept per size-free guard
+
+
+def _size_free(guard, gi):
+    """``guard`` with every tensor dimension equal to the graph's node or edge count written
+    ``"N"`` or ``"E"``: alike for the graphs of a class, whose features have a row per node."""
+    n, e = gi.num_src, gi.num_edges
+    out = []
+    for part in guard:
+        if type(part) is tuple and len(part) == 5 and type(part[1]) is torch.Size:
+            dims = tuple("N" if d == n else "E" if d == e else d for d in part[1])
+            part = (part[0], dims) + part[2:]
+        out.append(part)
+    return tuple(out)
+
+
+def _class_hit(state, options, layer, guard, args, kwargs):
+    """``(gi, run, plan arguments, record)`` for a call on a whole graph of a class whose
+    settled decision has a class run, else ``None``."""
+    g = args[0]
+    if getattr(g, "is_block", True) or not hasattr(g, "_graph"):
+        return None
+    gi = graph_info(g)
+    entries = state.class_fast.get(_size_free(guard, gi))
+    if not entries:
+        return None
+    # a graph called again and again gets a fast path of its own (``_remember``): its calls
+    # count here as there, and the call that reaches the count takes the normal path
+    table = state.fast.get(gi)
+    if table is None:
+        table = state.fast[gi] = {_SEEN: 0}
+    seen = table.get(_SEEN, _FAST_AFTER)
+    if seen >= _FAST_AFTER - 1:
+        return None
+    table[_SEEN] = seen + 1
+    shape = None
+    for record, entry, structural in entries:
+        if shape is None or shape[0] != structural:
+            shape = (structural, graph_shape(gi, structural))
+        if not all(abs(a - b) <= SHAPE_SLACK for a, b in zip(record["shape"], shape[1])):
+            continue
+        decision = record["decision"]
+        if isinstance(decision, Trial):
+            return None
+        training = guard[_GRAD] and _any_requires_grad(layer)
+        feat = args[entry.feat] if type(entry.feat) is int else entry.feat(args, kwargs)
+        ident = input_identity(feat) if options.reuse_inputs else None
+        run = entry.runs.get((training, _repeats(state, feat, ident)))
+        if run is None or run.fn is not decision[1]:
+            return None
+        try:
+            if not _graph_checks(state, entry.compiled, layer, g, gi):
+                return None
+            vals = run.bind(layer, gi, args, kwargs)
+        except Exception:        # noqa: BLE001 - a failing check: the normal path raises it
+            return None
+        if vals is None:
+            return None
+        state.last_input = None if ident is None else (weakref.ref(feat), ident)
+        return gi, run, vals, record
+    return None
+
+
+def _graph_checks(state, compiled, layer, graph, gi):
+    """Whether the checks of ``compiled`` that read the graph alone hold on this graph: the
+    layer's own (a zero in-degree check raises) and the branches the variant took on it. Once
+    per graph and variant, as the normal path runs them."""
+    per_graph = state.decisions.get(gi)
+    if per_graph is None:
+        per_graph = state.decisions[gi] = {}
+    key = ("graph checks", id(compiled))
+    if per_graph.get(key):
+        return True
+    lir = compiled.layer_ir
+    names = state.params[0]
+    graph_name = names[0]
+    module_globals = type(layer).forward.__globals__
+    ns = None
+    for text, reads in lir.guards:
+        if {n for n in reads if n in names or n not in module_globals} <= {graph_name, "self"}:
+            if ns is None:
+                ns = dict(module_globals, self=layer)
+                ns[graph_name] = _CheckedGraph(graph, gi)
+            exec(check_code(text, "exec"), ns)
+    for text, reads, value in lir.spec:
+        if set(reads) <= {graph_name}:
+            ckey = ("condition", text)
+            now = gi.cache.get(ckey)
+            if now is None:
+                now = gi.cache[ckey] = bool(eval(check_code(text, "eval"),
+                                                 dict(module_globals, self=layer,
+                                                      **{graph_name: graph})))
+            if now != value:
+                return False
+    per_graph[key] = True
+    return True
+
+
+def _class_run(state, options, layer, hit, guard, args, kwargs):
+    gi, run, vals, record = hit
+    state.class_reused += 1
+    if run.fn is None:
+        return _fast_run(state, options, layer, (gi, run, vals), args, kwargs)
+    rng = torch.get_rng_state()
+    try:
+        return _fast_run(state, options, layer, (gi, run, vals), args, kwargs)
+    except _NOT_THE_PLANS:
+        raise
+    except Exception:            # noqa: BLE001 - the normal path runs it and decides
+        torch.set_rng_state(rng)
+        state.calls -= 1
+        state.class_reused -= 1
+        return _dispatch(state, options, layer, args, kwargs, guard)
+
+
+def _remember_class(state, layer, guard, call, record, decision, args, kwargs):
+    """Keep the run of a class's settled ``decision``, just run the normal way on one of its
+    graphs, for the class's later graphs (``_class_hit``)."""
+    if isinstance(record["decision"], Trial) or record["decision"][1] is not decision[1]:
+        return
+    names, defaults, simple = state.params
+    if not simple or any(":" in leaf.source[1] for leaf in call.compiled.leaves.values()
+                         if leaf.source[0] in ("arg", "edge")):
+        return                   # a value read from the graph's frames: sized per graph
+    key = _size_free(guard, call.gi)
+    entries = state.class_fast.setdefault(key, [])
+    mode = (call.training, call.input_repeats)
+    for rec, entry, _ in entries:
+        if rec is record and entry.compiled is call.compiled and mode in entry.runs:
+            return
+    try:
+        run = _fast_run_of(state, layer, call, decision, len(args), kwargs)
+    except Exception:            # noqa: BLE001 - no run: the class's calls take the normal path
+        run = None
+    if run is None:
+        return
+    for rec, entry, _ in entries:
+        if rec is record and entry.compiled is call.compiled:
+            entry.runs[mode] = run
+            return
+    if len(entries) >= _CLASS_FAST_KEPT:
+        entries.pop(0)
+    place = _places(names, defaults, len(args), kwargs)
+    entry = FastEntry(call.compiled, _arg_reader(names[1], place))
+    entry.runs[mode] = run
+    entries.append((record, entry, reads_edges(call.compiled.layer_ir.root)))
 
 
 def _remember(state, layer, guard, call, decision, args, kwargs):

@@ -126,8 +126,11 @@ def test_the_tie_break_runs_across_new_graphs_and_its_verdict_serves_the_class(r
     assert not isinstance(kept, dispatch.Trial), "the trial should be over after 40 graphs"
     assert st.tuned is not None and st.tuned[1] == kept[0]
     g = new_graph(99, loops=True)
+    reused = st.class_reused
     layer(g, torch.randn(g.num_nodes(), K))
-    assert any(d is kept for d in st.decisions[graph_info(g)].values())
+    # the class's kept decision ran on the new graph (by the class path: no binding)
+    assert st.class_reused == reused + 1
+    assert st.ran.label == kept[0]
     assert rankings[0] == 1
 
 
@@ -166,6 +169,86 @@ def test_zero_in_degree_check_on_a_new_graph_raises_as_dgl():
     assert (g.in_degrees() == 0).any()
     with pytest.raises(dgl.DGLError, match="0-in-degree"):
         layer(g, torch.randn(300, K))
+
+
+def _settled(layer, training, calls=120):
+    """``layer`` optimized on new graphs until the tie-breaks of its classes are over."""
+    with torch.set_grad_enabled(training):
+        granii(layer, new_graph(0, loops=True), torch.randn(300, K))
+    st = layer_states(layer)[0]
+    for i in range(calls):
+        g = new_graph(100 + i, loops=True)
+        with torch.set_grad_enabled(training):
+            x = torch.randn(g.num_nodes(), K, requires_grad=training)
+            y = layer(g, x)
+            if training:
+                y.sum().backward()
+        # the classes of this mode (training: gradients to the features too, new each call)
+        records = [r for key, rs in st.classes.items()
+                   if key[-5:-2] == (training, training, False) for r in rs]
+        if i >= 10 and not any(isinstance(r["decision"], dispatch.Trial) for r in records):
+            return i
+    raise AssertionError("the tie-breaks did not end")
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("name", ["gcn", "sage", "gin"])
+def test_new_graphs_of_a_settled_class_skip_binding(name, training, monkeypatch):
+    """Once a class's tie-break is over, a call on a new graph of it runs the kept decision
+    without binding the call the normal way (the class path), with DGL's outputs and
+    gradients; the graph's own checks still run on it (a zero in-degree node raises)."""
+    make, loops = LAYERS[name]
+    torch.manual_seed(0)
+    ref = make()
+    layer = copy.deepcopy(ref)
+    last = _settled(layer, training)
+    st = layer_states(layer)[0]
+    with torch.set_grad_enabled(training):      # the kept decision's first run the normal way
+        g = twin(new_graph(100 + last - 6, loops=True))   # leaves its class run behind
+        layer(g, torch.randn(g.num_nodes(), K, requires_grad=training))
+    bound = []
+    real = dispatch.prepare
+    monkeypatch.setattr(dispatch, "prepare", lambda *a, **k: bound.append(1) or real(*a, **k))
+    for i in range(6):
+        g = twin(new_graph(100 + last - i, loops=True))    # a new object of a settled class
+        x = torch.randn(g.num_nodes(), K, requires_grad=training)
+        outs = []
+        for m in (ref, layer):
+            with torch.set_grad_enabled(training):
+                y = m(g, x)
+                gx = torch.autograd.grad(y.square().sum(), x)[0] if training else None
+            outs.append((y.detach(), gx))
+        torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-4, atol=1e-5)
+        if training:
+            torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-5)
+    assert bound == [], "calls on new graphs of a settled class took the normal path"
+    assert st.ran.kind in ("plan", "original")
+    if name == "gcn":                 # GraphConv's zero in-degree check, on a graph of the class
+        u, v = new_graph(7, loops=True).edges()
+        keep = (v >= 3) | (u != v)
+        keep &= v != 1                              # node 1 loses every in-edge
+        g = dgl.graph((u[keep], v[keep]), num_nodes=300)
+        with pytest.raises(dgl.DGLError, match="0-in-degree"), torch.no_grad():
+            ref(g, torch.randn(300, K))
+        with pytest.raises(dgl.DGLError, match="0-in-degree"), \
+                torch.set_grad_enabled(training):
+            layer(g, torch.randn(300, K))
+
+
+def test_a_graph_called_often_gets_its_own_fast_path():
+    """The class path serves a graph's first calls; a graph called again and again gets a fast
+    path of its own (cheaper: its checks ran once)."""
+    torch.manual_seed(0)
+    layer = GraphConv(K, K)
+    _settled(layer, False)
+    st = layer_states(layer)[0]
+    g = new_graph(900, loops=True)
+    x = torch.randn(300, K)
+    with torch.no_grad():
+        for _ in range(dispatch._FAST_AFTER + 2):
+            layer(g, x.clone())
+    table = st.fast[graph_info(g)]
+    assert any(k is not dispatch._SEEN for k in table)
 
 
 @pytest.mark.parametrize("idtype", [torch.int32, torch.int64])

@@ -100,7 +100,9 @@ def run_one(layer, k_in, k_out, training, calls, n, e):
         x = torch.randn(g.num_nodes(), k_in)
         order = (("dgl", dgl_model, g), ("granii", opt, g2))
         res = {}
+        rng = torch.get_rng_state()           # the same dropout masks for both models
         for which, model, graph in (order if i % 2 == 0 else order[::-1]):
+            torch.set_rng_state(rng)
             res[which] = call(model, graph, x)
             times[which].append(res[which][0])
         for a, b in ((res["dgl"][1], res["granii"][1]), (res["dgl"][2], res["granii"][2])):

@@ -43,6 +43,8 @@ PASSES = {"add": ("n", 1.5), "cat": ("n", 1.0), "head_dot": ("m", 1.0)}
 ONE_HEAD = {"spmm_heads": "spmm_weighted", "head_gemm": "gemm"}
 TRIAL_MARGIN = 1.3       # plans predicted within this factor of the best are timed too
 TRIAL_PLANS = 2          # at most this many plans take turns (with the layer's own forward)
+TRIAL_WIDE = 2.0         # ... and the best plan whose graph kernels are another library's, within
+                         # this factor
 
 
 # argument positions of addends: GEMM's C in X W + C, spmm_norm's residual R
@@ -88,13 +90,18 @@ def rank(plans, gi, symbols, model, training=False, input_grad=False,
     return sorted(ranked, key=lambda c: c.cost)
 
 
-def trial_candidates(ranking, margin=TRIAL_MARGIN, most=TRIAL_PLANS):
+def trial_candidates(ranking, margin=TRIAL_MARGIN, most=TRIAL_PLANS, wide=TRIAL_WIDE):
     """The choices a measured tie-break times on the first calls (besides the layer's own
     forward): the best predicted, then the next ones predicted within ``margin`` of it whose work
     on the graph differs (``graph_work``), at most ``most`` in all; then the best plan with
     another implementation of one of its graph kernels (``variants``), the cheapest predicted
     within ``margin``: on small graphs two SpMM kernels are often predicted within a few percent
-    of each other.
+    of each other; last, when none of those runs its graph kernels with another library's
+    implementations, the best plan that does, predicted within ``wide``: the graph kernels are
+    what a model transferred from another machine misprices most (on graphs the project never
+    saw, with the models of another processor, the fastest plan of GCN and SAGE inference ran
+    DGL's SpMM where every candidate ran granii's, 1.08x geomean regret against 1.00x for a
+    fixed rule).
 
     Plans that run the same graph kernels on the same sizes differ only in dense products,
     which the models predict well; their graph kernels, irregular, are where predictions miss.
@@ -112,8 +119,20 @@ def trial_candidates(ranking, margin=TRIAL_MARGIN, most=TRIAL_PLANS):
     for c in sorted(variants(best), key=lambda c: c.cost):
         if c.cost <= margin * best.cost and graph_work(c) not in seen:
             picked.append(c)
+            seen.add(graph_work(c))
             break
+    libraries = {graph_impls(c) for c in picked}
+    other = [v for c in ranking if c.cost <= wide * best.cost for v in [c] + variants(c)
+             if v.cost <= wide * best.cost and graph_impls(v) not in libraries
+             and graph_work(v) not in seen]
+    if other:
+        picked.append(min(other, key=lambda c: c.cost))
     return picked
+
+
+def graph_impls(choice):
+    """The implementations of a priced plan's graph kernels, as a set."""
+    return frozenset(impl for _, impl, _ in graph_work(choice))
 
 
 def variants(choice):

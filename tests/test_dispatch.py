@@ -39,9 +39,10 @@ def test_trial_calls_give_dgls_results_and_settle():
     model = copy.deepcopy(ref)
     x = torch.randn(g.num_nodes(), 12)
     granii(model, g, x, cost_model=AnalyticalCost())
-    # the plans, one implementation variant and the original forward: one untimed and
-    # TRIAL_ROUNDS timed calls each, the last backward recorded on the call after
-    n_calls = (TRIAL_PLANS + 2) * (TRIAL_ROUNDS + 1) + 2
+    # the plans, one implementation variant, one plan of another library's graph kernels and
+    # the original forward: one untimed and TRIAL_ROUNDS timed calls each, the last backward
+    # recorded on the call after
+    n_calls = (TRIAL_PLANS + 3) * (TRIAL_ROUNDS + 1) + 2
     for i in range(n_calls):
         torch.manual_seed(100 + i)
         out = model(g, x)
@@ -927,8 +928,11 @@ def test_trial_times_plans_whose_graph_work_differs():
                    ("gat_aggregate", "native", ("E", "k_out")))
     far = choice(2.0, ("gat_aggregate", "dgl", ("E", "k_out")))
     assert graph_work(best) == graph_work(twin) != graph_work(other)
-    assert trial_candidates([best, twin, other, far]) == [best, other]
-    assert trial_candidates([best, twin, far]) == [best]
+    assert trial_candidates([best, twin, other, far], wide=1.0) == [best, other]
+    assert trial_candidates([best, twin, far], wide=1.0) == [best]
+    # another library's graph kernel within the wide factor is timed too
+    assert trial_candidates([best, twin, other, far]) == [best, other, far]
+    assert trial_candidates([best, twin, far], wide=1.9) == [best]
 
 
 def test_trial_times_the_best_plan_with_another_graph_kernel():
@@ -949,13 +953,15 @@ def test_trial_times_the_best_plan_with_another_graph_kernel():
     assert [c.impls for c in variants(best)] == [("torch", "native"), ("torch", "dgl")]
     native_rows = variants(best)[0].step_costs      # explain's step by step: the variant's own
     assert [(i, t) for _, i, t in native_rows] == [("torch", 0.2), ("native", pytest.approx(0.81))]
-    picked = trial_candidates([best, other])
+    picked = trial_candidates([best, other], wide=1.0)
     assert [c.impls for c in picked] == [("torch", "torch_csr"), ("torch", "native"),
                                          ("torch", "native")]
     assert picked[1] is other and picked[2].plan is plan
     assert picked[2].cost == pytest.approx(1.01)
+    # within the wide factor, DGL's kernel for the step (another library) is timed as well
+    assert [c.impls for c in trial_candidates([best, other])][3:] == [("torch", "dgl")]
     best.alternatives = ((1, "dgl", 0.6),)                 # beyond the margin: not timed
-    assert len(trial_candidates([best, other])) == 2
+    assert len(trial_candidates([best, other], wide=1.0)) == 2
 
 
 def test_gin_trial_runs_an_implementation_variant_and_keeps_dgls_results():

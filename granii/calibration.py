@@ -42,6 +42,7 @@ spend seconds calibrating in every process). A cached calibration written before
 (no ``others_cores``), or over the bound, is measured again.
 """
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -244,6 +245,8 @@ def this_machine(fingerprint, refresh=False, log=None):
             pass
     t0 = time.perf_counter()
     try:
+        if importlib.util.find_spec("dgl") is None:     # before timing anything: 135 ms saved
+            raise ImportError("No module named 'dgl'", name="dgl")
         for attempt in range(QUIET_TRIES):
             if attempt:
                 time.sleep(QUIET_PAUSE)

@@ -1,6 +1,8 @@
 """The PyTorch Geometric frontend: graph inputs, lowering of PyG layers, every plan against PyG."""
 import copy
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,12 @@ from torch_geometric.nn import MessagePassing  # noqa: E402
 from torch_geometric.utils import add_self_loops, degree  # noqa: E402
 
 from granii import pyg  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.pyg_models import TutorialGCNConv  # noqa: E402
 from granii.pyg import FrontendError  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*native kernels.*")
@@ -143,33 +151,13 @@ def test_derived_graphs_are_pygs_self_loops(how):
 
 
 # -- layers against PyG --------------------------------------------------------------------------
-class TutorialGCN(MessagePassing):
-    """GCN as PyG's "Creating Message Passing Networks" tutorial writes it."""
-
-    def __init__(self, in_channels, out_channels):
-        super().__init__(aggr='add')
-        self.lin = torch.nn.Linear(in_channels, out_channels, bias=False)
-        self.bias = torch.nn.Parameter(torch.empty(out_channels))
-        self.reset_parameters()
+class TutorialGCN(TutorialGCNConv):
+    """GCN as PyG's "Creating Message Passing Networks" tutorial writes it (the benchmark's
+    layer), with a bias that is not zero."""
 
     def reset_parameters(self):
-        self.lin.reset_parameters()
+        super().reset_parameters()
         torch.nn.init.uniform_(self.bias)
-
-    def forward(self, x, edge_index):
-        edge_index, _ = add_self_loops(edge_index, num_nodes=x.size(0))
-        x = self.lin(x)
-        row, col = edge_index
-        deg = degree(col, x.size(0), dtype=x.dtype)
-        deg_inv_sqrt = deg.pow(-0.5)
-        deg_inv_sqrt[deg_inv_sqrt == float('inf')] = 0
-        norm = deg_inv_sqrt[row] * deg_inv_sqrt[col]
-        out = self.propagate(edge_index, x=x, norm=norm)
-        out = out + self.bias
-        return out
-
-    def message(self, x_j, norm):
-        return norm.view(-1, 1) * x_j
 
 
 class NoLoopsGCN(TutorialGCN):

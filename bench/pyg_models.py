@@ -231,6 +231,8 @@ def main(argv=None):
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default=str(ROOT / "results" / "pyg"))
+    ap.add_argument("--replace", action="store_true",
+                    help="run only --variants and replace their rows in the CSV under --out")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -257,8 +259,24 @@ def main(argv=None):
               + (f"first {row['first_ms']:9.1f} ms  steady {row['steady_ms']:8.2f} ms  "
                  f"total {row['total_s']:7.3f} s  peak {row['peak_mib']:7.1f} MiB  {row['ran']}"
                  if "error" not in row else f"ERROR {row['error']}"), flush=True)
-    _report(rows, " ".join(["python -m bench.pyg_models"] + (argv or sys.argv[1:])), args.out)
+    cmd = " ".join(["python -m bench.pyg_models"] + (argv or sys.argv[1:]))
+    if args.replace:
+        rows = _replaced(Path(args.out) / "pyg_models.csv", rows)
+        cmd += " (its rows replacing those of the earlier run in the CSV)"
+    _report(rows, cmd, args.out)
     return rows
+
+
+def _replaced(path, new):
+    """The rows of ``path`` with those of ``new`` (same model, mode, variant) in their place."""
+    import csv
+    nums = ("first_ms", "steady_ms", "total_s", "peak_mib", "N", "E", "calls")
+    with open(path) as f:
+        old = [{k: (float(v) if k in nums and v not in ("", None) else v) for k, v in r.items()}
+               for r in csv.DictReader(f)]
+    fresh = {(r["model"], r["mode"], r["variant"]): r for r in new}
+    out = [fresh.pop((r["model"], r["mode"], r["variant"]), r) for r in old]
+    return out + list(fresh.values())
 
 
 def _report(rows, cmd, out):

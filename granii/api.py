@@ -63,8 +63,29 @@ def find_layers(model, graph=None, feats=None, extra_args=(), extra_kwargs=None)
     modules whose forward's first parameter has a graph's usual name (``_GRAPH_ARG_NAMES``)."""
     if graph is None:
         return _innermost([(n, m) for n, m in model.named_modules() if _takes_graph(m)])
+    pyg = _pyg_layers(model, graph, feats, extra_args, extra_kwargs or {})
+    if pyg is not None:
+        return pyg
     return graph_receivers(model, lambda: _call_model(model, graph, feats, extra_args,
                                                       extra_kwargs or {}))
+
+
+def _pyg_layers(model, graph, feats, extra_args, extra_kwargs):
+    """The innermost PyG ``MessagePassing`` modules of ``model``, when the call holds no DGL
+    graph and no module holds one: what the run of ``graph_receivers`` would find (it takes PyG
+    layers by their class), less a layer the run does not call (wrapped, never run), without
+    the run, a whole forward of the model that the first call paid twice. ``None`` otherwise."""
+    values = (graph, feats, *extra_args, *extra_kwargs.values())
+    if any(is_graph(v) or (isinstance(v, (list, tuple)) and any(is_graph(b) for b in v))
+           for v in values):
+        return None
+    found, dgl_held = [], False
+    for name, m in model.named_modules():
+        if is_pyg_layer(m):
+            found.append((name, m))
+        elif "dgl" in sys.modules and any(is_graph(v) for v in m.__dict__.values()):
+            dgl_held = True
+    return _innermost(found) if found and not dgl_held else None
 
 
 def is_graph(value):

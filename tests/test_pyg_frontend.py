@@ -458,3 +458,32 @@ def test_pyg_layers_run_their_plans_without_dgl():
                           env={"OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.split()[-1]) >= 4
+
+
+def test_granii_runs_a_pyg_model_once():
+    """The PyG layers are found by their class: ``granii()`` runs the model once (the run that
+    decides), not a second time to find them; an unused layer is wrapped and never run."""
+    class Counted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = pyg_nn.GCNConv(6, 5), pyg_nn.GCNConv(5, 4)
+            self.spare = pyg_nn.SAGEConv(6, 4)
+
+        def forward(self, x, edge_index):
+            runs.append(1)          # outside the module: granii() restores what it holds
+            return self.conv2(self.conv1(x, edge_index).relu(), edge_index)
+
+    runs = []
+    torch.manual_seed(0)
+    ref = Counted().eval()
+    model = copy.deepcopy(ref)
+    x, ei = torch.randn(30, 6), torch.randint(0, 30, (2, 90))
+    import granii
+    from granii.api import layer_states, what_ran
+    with torch.no_grad():
+        granii.granii(model, x, ei, cost_model=AnalyticalCost())
+        assert len(runs) == 1
+        torch.testing.assert_close(model(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
+    assert {st.name for st in layer_states(model)} == {"conv1", "conv2", "spare"}
+    ran = what_ran(model)
+    assert ran["conv1"].kind == ran["conv2"].kind == "plan" and ran["spare"] is None

@@ -108,6 +108,8 @@ def measure(repeat=7):
     """``{name: seconds}``: the fastest of ``repeat`` runs of each reference call (after one
     warm-up), the calls interleaved. Other processes on the cores only add time (a thread waiting
     for a core), so the fastest run is the machine's own speed."""
+    if importlib.util.find_spec("dgl") is None:     # before anything is built or timed
+        raise ImportError("No module named 'dgl'", name="dgl")
     import torch
     from . import kernels
     from .reference import dense_inputs, graph_inputs
@@ -245,8 +247,6 @@ def this_machine(fingerprint, refresh=False, log=None):
             pass
     t0 = time.perf_counter()
     try:
-        if importlib.util.find_spec("dgl") is None:     # before timing anything: 135 ms saved
-            raise ImportError("No module named 'dgl'", name="dgl")
         for attempt in range(QUIET_TRIES):
             if attempt:
                 time.sleep(QUIET_PAUSE)

@@ -75,17 +75,20 @@ def _pyg_layers(model, graph, feats, extra_args, extra_kwargs):
     graph and no module holds one: what the run of ``graph_receivers`` would find (it takes PyG
     layers by their class), less a layer the run does not call (wrapped, never run), without
     the run, a whole forward of the model that the first call paid twice. ``None`` otherwise."""
-    values = (graph, feats, *extra_args, *extra_kwargs.values())
-    if any(is_graph(v) or (isinstance(v, (list, tuple)) and any(is_graph(b) for b in v))
-           for v in values):
+    if _graph_in((graph, feats, *extra_args), extra_kwargs):
         return None
     found, dgl_held = [], False
     for name, m in model.named_modules():
         if is_pyg_layer(m):
             found.append((name, m))
-        elif "dgl" in sys.modules and any(is_graph(v) for v in m.__dict__.values()):
+        elif _holds_graph(m):
             dgl_held = True
     return _innermost(found) if found and not dgl_held else None
+
+
+def _holds_graph(module):
+    """Whether ``module`` keeps a DGL graph in an attribute."""
+    return any(is_graph(v) for v in module.__dict__.values())
 
 
 def is_graph(value):
@@ -113,7 +116,7 @@ def graph_receivers(model, run):
 
     def saw(name, module, args, kwargs):
         if name not in got and (_graph_in(args, kwargs) or is_pyg_layer(module)
-                                or any(is_graph(v) for v in module.__dict__.values())):
+                                or _holds_graph(module)):
             got[name] = module
     handles, hidden = [], []
     for name, m in model.named_modules():

@@ -620,15 +620,12 @@ def _class_hit(state, options, layer, guard, args, kwargs):
     entries = state.class_fast.get(_size_free(guard, gi))
     if not entries:
         return None
-    # a graph called again and again gets a fast path of its own (``_remember``): its calls
-    # count here as there, and the call that reaches the count takes the normal path
+    # a graph called again and again gets a fast path of its own (``_remember``): the calls it
+    # takes here count as there, and the call that reaches the count takes the normal path
     table = state.fast.get(gi)
-    if table is None:
-        table = state.fast[gi] = {_SEEN: 0}
-    seen = table.get(_SEEN, _FAST_AFTER)
+    seen = 0 if table is None else table.get(_SEEN, _FAST_AFTER)
     if seen >= _FAST_AFTER - 1:
         return None
-    table[_SEEN] = seen + 1
     shape = None
     for record, entry, structural in entries:
         if shape is None or shape[0] != structural:
@@ -652,6 +649,9 @@ def _class_hit(state, options, layer, guard, args, kwargs):
             return None
         if vals is None:
             return None
+        if table is None:
+            table = state.fast[gi] = {}
+        table[_SEEN] = seen + 1
         state.last_input = None if ident is None else (weakref.ref(feat), ident)
         return gi, run, vals, record
     return None
@@ -671,23 +671,16 @@ def _graph_checks(state, compiled, layer, graph, gi):
     names = state.params[0]
     graph_name = names[0]
     module_globals = type(layer).forward.__globals__
-    ns = None
     for text, reads in lir.guards:
-        if {n for n in reads if n in names or n not in module_globals} <= {graph_name, "self"}:
-            if ns is None:
-                ns = dict(module_globals, self=layer)
-                ns[graph_name] = _CheckedGraph(graph, gi)
+        if _guard_on_graph(reads, names, module_globals):
+            ns = dict(module_globals, self=layer)
+            ns[graph_name] = _CheckedGraph(graph, gi)
             exec(check_code(text, "exec"), ns)
     for text, reads, value in lir.spec:
-        if set(reads) <= {graph_name}:
-            ckey = ("condition", text)
-            now = gi.cache.get(ckey)
-            if now is None:
-                now = gi.cache[ckey] = bool(eval(check_code(text, "eval"),
-                                                 dict(module_globals, self=layer,
-                                                      **{graph_name: graph})))
-            if now != value:
-                return False
+        if set(reads) <= {graph_name} and _graph_condition(
+                gi, text, lambda: dict(module_globals, self=layer, **{graph_name: graph})) \
+                != value:
+            return False
     per_graph[key] = True
     return True
 
@@ -855,6 +848,23 @@ def _arg_expr(w, name, place, value):
     return f"k[{at!r}]" if where == "kw" else w.const(at)
 
 
+def _guard_on_graph(reads, names, module_globals):
+    """Whether a check of the layer's source reads nothing but the graph (``names[0]``, the
+    forward's first parameter) and the module: once it held on a graph it holds for every call
+    on it."""
+    return {n for n in reads if n in names or n not in module_globals} <= {names[0], "self"}
+
+
+def _graph_condition(gi, text, namespace):
+    """A branch condition that reads the graph alone, evaluated once per graph (``namespace()``
+    gives what it reads when it must be)."""
+    ckey = ("condition", text)
+    now = gi.cache.get(ckey)
+    if now is None:
+        now = gi.cache[ckey] = bool(eval(check_code(text, "eval"), namespace()))
+    return now
+
+
 def _per_call_checks(lir, names, module):
     """The checks of a variant the normal path runs on every call, compiled: ``(guards,
     conditions)``, the layer's own checks and the conditions the variant branched on that read
@@ -863,8 +873,7 @@ def _per_call_checks(lir, names, module):
     graph_name = names[0]
     module_globals = type(module).forward.__globals__
     guards = [check_code(text, "exec") for text, reads in lir.guards
-              if not {n for n in reads if n in names or n not in module_globals}
-              <= {graph_name, "self"}]
+              if not _guard_on_graph(reads, names, module_globals)]
     conditions = [(check_code(text, "eval"), value) for text, reads, value in lir.spec
                   if not set(reads) <= {graph_name}]
     return guards, conditions
@@ -1446,18 +1455,17 @@ def _holds(variant, module, values, gi):
         if not _config_value_holds(now, want_id, want):
             return False
     graph_name = next(iter(values))
-    ns = None
+    ns = []
+
+    def namespace():
+        if not ns:
+            ns.append(dict(type(module).forward.__globals__, **values, self=module))
+        return ns[0]
     for text, names, value in spec:
-        ckey = ("condition", text)
-        graph_only = set(names) <= {graph_name}
-        if graph_only and ckey in gi.cache:
-            now = gi.cache[ckey]
+        if set(names) <= {graph_name}:
+            now = _graph_condition(gi, text, namespace)
         else:
-            if ns is None:
-                ns = dict(type(module).forward.__globals__, **values, self=module)
-            now = bool(eval(check_code(text, "eval"), ns))
-            if graph_only:
-                gi.cache[ckey] = now
+            now = bool(eval(check_code(text, "eval"), namespace()))
         if now != value:
             return False
     return True
@@ -1729,8 +1737,7 @@ def _run_guards(state, lir, gi, values, module):
     if per_graph is None:
         per_graph = state.decisions[gi] = {}
     for i, (text, names) in enumerate(lir.guards):
-        reads = {n for n in names if n in values or n not in module_globals}
-        graph_only = reads <= {graph_name, "self"}
+        graph_only = _guard_on_graph(names, list(values), module_globals)
         gkey = ("guard", id(lir), i)
         if graph_only and per_graph.get(gkey):
             continue

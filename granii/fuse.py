@@ -262,11 +262,11 @@ def fuse_gat(plan):
     weighted aggregation as one ``gat_aggregate`` step, when the attention values are used by
     nothing else (no ``get_attention``).
 
-    Attention dropout (an ``nn.Dropout`` module between the softmax and the aggregation) becomes
-    a mask drawn at the same place in the plan: the module applied to ones of the attention's
-    size, which draws exactly the random numbers it would have drawn on the attention and gives
-    ``bernoulli(1 - p) / (1 - p)``. The mask multiplies the attention per edge and head inside
-    the kernel (with the edge weight, when there is one)."""
+    Attention dropout (an ``nn.Dropout`` module, or ``F.dropout``, between the softmax and the
+    aggregation) becomes a mask drawn at the same place in the plan: the same call on ones of
+    the attention's size, which draws exactly the random numbers it would have drawn on the
+    attention and gives ``bernoulli(1 - p) / (1 - p)``. The mask multiplies the attention per
+    edge and head inside the kernel (with the edge weight, when there is one)."""
     by_var = {st.var: st for st in plan.steps}
     uses = _uses(plan)
     single = lambda var: len(uses.get(var, ())) == 1
@@ -330,6 +330,8 @@ def _leaky_relu_slope(ref, step):
 
 
 def is_dropout(plan, step):
-    """``step`` applies one of the layer's ``nn.Dropout`` modules."""
+    """``step`` applies one of the layer's ``nn.Dropout`` modules, or ``F.dropout(x, p, True)``
+    (PyG's GATConv drops its attention values so)."""
     ref = plan.applies.get(step.var, ())
-    return ref[:1] == ("module",) and step.key.startswith(f"{ref[1]}:Dropout(")
+    return (ref[:1] == ("module",) and step.key.startswith(f"{ref[1]}:Dropout(")
+            or ref[:1] == ("dropout",))

@@ -21,6 +21,20 @@ as rules, not a table of layer classes:
                                                     as PyG runs it
     spmm(adj_t, x, reduce)                          ``A_w X`` (sum), ``D_in^-1 A_w X`` (mean),
                                                     the adjacency's values as ``w``
+    remove_self_loops, then add_self_loops          the graph ``add_remaining_self_loops`` makes
+                                                    (the other edges in order, one loop per node)
+    lin(x).view(-1, H, C), (x * self.att).sum(-1)   features split into heads, scores per head
+                                                    (``x W a_h``, as DGL's GATConv lowers)
+    self.edge_updater(edge_index, alpha=...)        ``edge_update`` read with ``alpha_j`` /
+                                                    ``alpha_i`` the rows at the sources / targets:
+                                                    ``alpha_j + alpha_i`` an SDDMM, pure functions
+                                                    (``F.leaky_relu``), ``softmax(alpha, index)``
+                                                    over each target's in-edges, ``F.dropout``:
+                                                    attention values, one per edge and head
+    alpha.unsqueeze(-1) * x_j                       messages weighted per edge and head: the
+                                                    sparse operand ``A[alpha]`` of the heads
+    out.view(-1, H * C) / out.mean(dim=1)           heads side by side, or their mean (a pure
+                                                    function of each row)
 
 The messages ``c * w_e * prod_i d_i[side_i(e)] * x_j`` aggregate to a product of the IR:
 
@@ -34,9 +48,18 @@ The messages ``c * w_e * prod_i d_i[side_i(e)] * x_j`` aggregate to a product of
 
 Every propagate of a layer must run on one graph (the same self loops). Anything else raises
 ``FrontendError`` naming the construct (LSTM or multi aggregations, messages of ``x_i``, an MLP
-over message features, edge dropout in training, ...): the layer's own forward then runs.
+over message features, edge dropout in training, edge feature vectors (``edge_dim``), GATv2's
+per-edge ``leaky_relu(x_i + x_j)``, ``return_attention_weights``, ...): the layer's own forward
+then runs.
+
+Attention dropout draws as PyG draws it: one ``F.dropout`` on the (E', heads) values, E' in
+PyG's edge order (the input's edges without loops, then one loop per node: the order of the
+derived graph), at the place of the source; the fused plans draw the same mask on ones. On a
+sparse adjacency with loops added PyG's order is the new matrix's, so dropout in training
+there is refused.
 """
 import ast
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 
@@ -49,11 +72,11 @@ from . import kernels  # noqa: F401  (registers spmm_amax)
 from ..frontend import LayerIR, _check_complete
 from ..frontend import rules, udf
 from ..frontend.interp import Interpreter, forward_ast
-from ..frontend.ops import linear
+from ..frontend.ops import apply, linear
 from ..frontend.values import FrontendError, GraphCondition, Method, RaisesForConfig, Tensor
 from ..frontend.values import Degrees
-from .values import (PYG_VALUES, DegVec, EdgeCount, EdgeVal, EdgeW, Gathered, Message,
-                     NodeIndex, PygGraph)
+from .values import (PYG_VALUES, Attention, DegVec, EdgeCount, EdgeVal, EdgeW, Gathered,
+                     Message, NodeIndex, PygGraph)
 
 __all__ = ["PygIR", "lower_pyg", "is_pyg_layer", "FrontendError"]
 
@@ -96,9 +119,14 @@ def lower_pyg(module, values, kind):
                 present.add(name)
             else:
                 raise FrontendError(f"tensor argument '{name}' of shape {tuple(v.shape)}",
-                                    "only one value per edge (edge_weight) is lowered")
+                                    "only one value per edge (edge_weight) is lowered; edge "
+                                    "feature vectors (edge_dim) are not in the IR")
         else:
             bound[name] = v
+    if values.get("return_attention_weights") is not None:
+        # PyG returns them whenever the argument is set, even to False
+        raise FrontendError("return_attention_weights", "the plans never materialise the "
+                            "attention values per edge (the fused kernel keeps them per row)")
     interp = PygInterpreter(module, func_def, globals_, src, values, kind)
     try:
         out = interp.run(bound)
@@ -128,12 +156,22 @@ class PygInterpreter(Interpreter):
         self.graph_name = [a.arg for a in func_def.args.args][2]
         self.how = _UNSET                 # self loops of the graph the propagates run on
         self.edge_values = {}
+        self.head_means = set()           # Apply nodes of a mean over heads (N x C, not H C)
+
+    def _narrowed(self, n):
+        """``n`` is a mean over heads, or a sum whose left operand is one."""
+        while isinstance(n, ir.Add):
+            n = n.a
+        return n in self.head_means
 
     # -- expressions ---------------------------------------------------------------------------
     def call(self, func, args, kwargs, e):
         rule = _pyg_rule(self, func, args, kwargs)
         if rule is not None:
             return _call_rule(self, rule, func, args, kwargs, e)
+        if isinstance(func, Method) and isinstance(func.obj, Tensor) and func.obj.ndim == 3 \
+                and self.heads and func.name in ("view", "reshape", "mean"):
+            return self.merge_heads(func.obj, func.name, args, kwargs, e)
         try:
             if isinstance(func, Method):
                 return rules.call_method(self, func, args, kwargs, e)
@@ -144,7 +182,35 @@ class PygInterpreter(Interpreter):
             self.fail(e, f"'{ast.unparse(e)}'", f"a call on PyG's per-edge or per-node values "
                       f"that is not lowered ({type(err).__name__})")
 
+    def merge_heads(self, x, name, args, kwargs, node):
+        """``out.view(-1, H * C)`` of (N, H, C) features: the IR's N x (H C) matrix as it is;
+        ``out.mean(dim=1)``: the mean over the heads, a function of each row (N x C)."""
+        heads, width = self.heads
+        if name in ("view", "reshape"):
+            shape = list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) \
+                else list(args)
+            if len(shape) == 2 and shape[0] == -1 and shape[1] in (heads * width, -1):
+                return Tensor(x.node, 2)
+            return rules.tensor_view(self, x, args, node)
+        dim = kwargs.get("dim", args[0] if args else None)
+        if dim in (1, -2) and not kwargs.get("keepdim", args[1] if len(args) > 1 else False) \
+                and set(kwargs) <= {"dim", "keepdim"} and len(args) <= 2:
+            out = apply(self, f"mean_heads({heads})", x.node, ("function", HeadMean(heads)),
+                        pure=True)
+            self.head_means.add(out)
+            return Tensor(out, 2)
+        self.fail(node, f"(N, heads, C) features.mean({dim!r})", "only the mean over the heads "
+                  "(dim=1) is lowered")
+
     def binop(self, op, a, b, node):
+        if isinstance(op, ast.Add) and isinstance(a, Tensor) and isinstance(b, Tensor) and \
+                self._narrowed(a.node) and isinstance(b.node, ir.Leaf) and b.node.rows is None:
+            # the bias after a mean over heads: as wide as one head, its own size symbol
+            used = {sym for leaf in self.leaves.values() for sym in (leaf.rows, leaf.cols)}
+            cols = next(f"k_head{i or ''}" for i in range(99) if f"k_head{i or ''}" not in used)
+            fixed = dataclasses.replace(b.node, rows="1", cols=cols)
+            self.leaves[fixed.name] = fixed
+            return Tensor(ir.Add(a.node, fixed), 2)
         if isinstance(a, PYG_VALUES) or isinstance(b, PYG_VALUES):
             try:
                 return super().binop(op, a, b, node)
@@ -183,6 +249,31 @@ class PygInterpreter(Interpreter):
         return super().expr_Attribute(e)
 
 
+class HeadMean:
+    """``x.view(n, H, -1).mean(1)`` of an n x (H C) matrix: the mean over ``H`` heads (PyG's
+    ``concat=False``); equal for equal ``H``, so equal code lowers to equal IR."""
+
+    def __init__(self, heads):
+        self.heads = heads
+
+    def __call__(self, x):
+        return x.view(x.shape[0], self.heads, -1).mean(1)
+
+    def __eq__(self, other):
+        return isinstance(other, HeadMean) and other.heads == self.heads
+
+    def __hash__(self):
+        return hash(("HeadMean", self.heads))
+
+    def __repr__(self):
+        return f"HeadMean({self.heads})"
+
+
+def _attr_of(it, func):
+    path = rules._module_path(it, func)
+    return f"self.{path}" if path else type(func).__name__
+
+
 def _holds_pyg(values):
     for v in values:
         if isinstance(v, PYG_VALUES):
@@ -210,6 +301,12 @@ def _pyg_rule(it, func, args, kwargs):
             type(func).__module__.startswith("torch_geometric") and args and \
             isinstance(args[0], Tensor):
         return "linear"
+    if isinstance(func, nn.Module) and args and isinstance(args[0], (EdgeVal, Attention)):
+        return "linear_of_edges"
+    if func is torch.nn.functional.dropout and args and isinstance(args[0], Attention):
+        return "dropout"
+    if args and isinstance(args[0], Attention) and udf.pure_ref(func, args, kwargs):
+        return "attention_function"            # F.leaky_relu(alpha, self.negative_slope)
     mod = getattr(func, "__module__", "") or ""
     if mod.startswith("torch_geometric") and getattr(func, "__name__", None) in _UTILS:
         return func.__name__
@@ -222,8 +319,16 @@ def _call_rule(it, rule, func, args, kwargs, node):
     if rule == "propagate":
         return propagate(it, args, kwargs, node)
     if rule == "edge_updater":
-        it.fail(node, "self.edge_updater (per-edge attention scores, PyG's softmax over edges)",
-                "not lowered yet")
+        return edge_updater(it, args, kwargs, node)
+    if rule == "dropout":
+        return _attention_dropout(it, args, kwargs, node)
+    if rule == "attention_function":
+        ref = udf.pure_ref(func, args, kwargs)
+        return Attention(args[0].graph, apply(it, ref[0], args[0].node, ref[1], pure=True))
+    if rule == "linear_of_edges":
+        it.fail(node, f"{_attr_of(it, func)}(edge_attr): a Linear of edge attributes "
+                "(edge_dim)", "edge feature vectors are not in the IR (its edge values are one "
+                "number per edge and head)")
     if rule == "ones":
         shape = args[0] if isinstance(args[0], EdgeCount) else args[0]
         if not isinstance(shape, EdgeCount) and tuple(shape[1:]) not in ((), (1,)):
@@ -266,22 +371,78 @@ def _loops(how):
                   {"edge_attr": None, "fill_value": None, "num_nodes": None})
         g, attr, fill = a["edge_index"], a["edge_attr"], a["fill_value"]
         name = "add_self_loops" if how == "add" else "add_remaining_self_loops"
-        if not isinstance(g, PygGraph) or g.kind == "adj_t":
+        if not isinstance(g, PygGraph):
+            it.fail(node, f"{name} of a graph that is not the call's", "not lowered")
+        if g.how == "removed" and attr is None:
+            # remove_self_loops, then add_self_loops (GATConv): every edge that is not a loop,
+            # in order, then one loop per node: the graph add_remaining_self_loops makes
+            return PygGraph(g.kind, "remaining"), None
+        if g.kind == "adj_t":
             it.fail(node, f"{name} of a sparse adjacency", "not lowered")
         if g.how is not None:
-            it.fail(node, f"{name} on a graph that has self loops added", "not lowered")
+            it.fail(node, f"{name} on a graph that has self loops added or removed",
+                    "not lowered")
+        new = PygGraph(g.kind, how)
+        if attr is None:                  # fill_value only fills edge values
+            return new, None
         if fill is None:
             fill = 1.0
         if not isinstance(fill, (int, float)) or isinstance(fill, bool):
             it.fail(node, f"{name} with fill_value={fill!r}", "only a number is lowered")
-        new = PygGraph(g.kind, how)
-        if attr is None:
-            return new, None
         if not isinstance(attr, EdgeVal) or attr.gathers or attr.const != 1 or \
                 attr.weight is None:
             it.fail(node, f"{name} of computed edge values", "only of an edge-weight argument")
         return new, EdgeVal(new, EdgeW(attr.weight.arg, how, float(fill)))
     return rule
+
+
+def _remove_loops(it, args, kwargs, node):
+    """``remove_self_loops(edge_index, edge_attr=None)``: the graph without its self loops (the
+    other edges in order); ``add_self_loops`` of it is the graph with one loop per node."""
+    a = _args(("edge_index", "edge_attr"), args, kwargs, {"edge_attr": None})
+    g, attr = a["edge_index"], a["edge_attr"]
+    if not isinstance(g, PygGraph) or g.how is not None:
+        it.fail(node, "remove_self_loops of a graph that is not the call's", "not lowered")
+    if attr is not None:
+        it.fail(node, "remove_self_loops of edge values", "only of the graph alone (GATConv "
+                "reads its edge_attr only with edge_dim, which is not lowered)")
+    return PygGraph(g.kind, "removed"), None
+
+
+def _softmax(it, args, kwargs, node):
+    """PyG's ``softmax(src, index, ptr, num_nodes)`` of attention values over the edges of each
+    target (``index`` = ``edge_index[1]``, or the CSR ``ptr`` of the same grouping): the IR's
+    ``EdgeSoftmax``. (PyG adds 1e-16 to the sum, granii's kernels do not: a relative
+    difference of 1e-16.)"""
+    a = _args(("src", "index", "ptr", "num_nodes", "dim"), args, kwargs,
+              {"index": None, "ptr": None, "num_nodes": None, "dim": 0})
+    src, index = a["src"], a["index"]
+    if not isinstance(src, Attention):
+        it.fail(node, "softmax of values that are not attention scores of edges", "not lowered")
+    if not isinstance(index, NodeIndex) or index.side != "dst" or \
+            index.graph.how != src.graph.how or a["dim"] not in (0, -2):
+        it.fail(node, "softmax grouped by anything but each edge's target", "not lowered")
+    return Attention(src.graph, ir.EdgeSoftmax(src.node))
+
+
+def _attention_dropout(it, args, kwargs, node):
+    """``F.dropout(alpha, p, training)`` of attention values: the identity when not training
+    or ``p == 0``, else one draw on the (E', heads) values in the graph's edge order (the plans
+    keep PyG's: the input's edges, then the added loops). On a sparse adjacency with self loops
+    added PyG's order is that of the new sparse matrix, which granii's graph does not keep:
+    refused, so that a seeded run draws PyG's mask."""
+    given = _args(("input", "p", "training", "inplace"), args, kwargs,
+                  {"p": 0.5, "training": True, "inplace": False})
+    x, p, training = given["input"], given["p"], given["training"]
+    if given["inplace"] or not isinstance(p, (int, float)) or not isinstance(training, bool):
+        it.fail(node, "F.dropout of attention values", "only with a known p and training flag")
+    if p == 0 or not training:
+        return x
+    if x.graph.kind == "adj_t" and x.graph.how is not None:
+        it.fail(node, "attention dropout in training on a sparse adjacency with self loops "
+                "added", "PyG draws the mask in the entry order of the new sparse matrix, "
+                "which granii's graph does not keep")
+    return Attention(x.graph, apply(it, f"dropout({p:g})", x.node, ("dropout", float(p))))
 
 
 def _scatter(it, args, kwargs, node):
@@ -350,8 +511,8 @@ _UTILS = {
     "spmm": _spmm,
     "to_edge_index": _unsupported("to_edge_index of a sparse adjacency"),
     "set_sparse_value": _unsupported("set_sparse_value of a sparse adjacency"),
-    "softmax": _unsupported("PyG's softmax over edges (attention)"),
-    "remove_self_loops": _unsupported("remove_self_loops"),
+    "softmax": _softmax,
+    "remove_self_loops": _remove_loops,
     "dropout_edge": _unsupported("dropout_edge"),
 }
 
@@ -416,6 +577,69 @@ def propagate(it, args, kwargs, node):
     return out
 
 
+def edge_updater(it, args, kwargs, node):
+    """``self.edge_updater(edge_index, size=None, **kwargs)``: ``edge_update`` read with its
+    arguments as PyG collects them (``alpha_j`` / ``alpha_i`` the rows of ``alpha[0]`` /
+    ``alpha[1]`` at each edge's source / target, ``index`` the targets, ``ptr`` ``None`` (PyG's
+    CSR pointer of a sparse adjacency groups the edges the same way), ``dim_size`` the number
+    of nodes); it must return attention values, one per edge and head."""
+    mod, kwargs = it.module, dict(kwargs)
+    if len(args) > 2:
+        it.fail(node, "edge_updater with more than two positional arguments", "not lowered")
+    g = args[0] if args else kwargs.pop("edge_index", None)
+    size = args[1] if len(args) > 1 else kwargs.pop("size", None)
+    if size is not None:
+        it.fail(node, "edge_updater with a size", "only square graphs (size=None) are lowered")
+    if not isinstance(g, PygGraph):
+        it.fail(node, "edge_updater over a graph that is not the call's", "not lowered")
+    for hooks in ("_edge_update_forward_pre_hooks", "_edge_update_forward_hooks"):
+        if getattr(mod, hooks, None):
+            it.fail(node, f"edge_updater with {hooks.strip('_').replace('_', ' ')}",
+                    "not lowered")
+    if getattr(mod, "flow", "source_to_target") != "source_to_target":
+        it.fail(node, f"flow='{mod.flow}'", "only source_to_target is lowered")
+    if it.how is _UNSET:
+        it.how = g.how
+    elif it.how != g.how:
+        it.fail(node, "edge updates and propagates over two graphs", "not lowered")
+    fn = udf.user_function(mod.edge_update, node, "edge_update")
+    names = [p.arg for p in fn.node.args.args][1:]
+    given = {}
+    for n in names:
+        if n in kwargs:
+            given[n] = kwargs[n]
+        elif n[-2:] in ("_i", "_j") and n[:-2] in kwargs:
+            v = kwargs[n[:-2]]
+            side = "src" if n[-2:] == "_j" else "dst"
+            if isinstance(v, (tuple, list)):
+                v = v[0] if side == "src" else v[1]
+            if v is None:
+                given[n] = None
+            elif isinstance(v, Tensor) and v.node.rows == "N" and v.ndim in (2, 3):
+                given[n] = Gathered(v, side, g)
+            else:
+                it.fail(node, f"edge_update argument '{n}' of {type(v).__name__}",
+                        "only rows of N x k node tensors are lowered")
+        elif n in ("index", "edge_index_i"):
+            given[n] = NodeIndex(g, "dst")
+        elif n == "edge_index_j":
+            given[n] = NodeIndex(g, "src")
+        elif n == "ptr":
+            given[n] = None
+        elif n in ("dim_size", "size_i", "size_j"):
+            given[n] = GraphCondition("num_nodes")
+        elif n in ("edge_index", "adj_t"):
+            given[n] = g
+        else:
+            given[n] = None           # PyG passes None for a name it was not given
+    it.udfs.append(f"edge update '{type(mod).__name__}.edge_update'")
+    out = it.call_user(fn, [], given, "edge_update", node)
+    if not isinstance(out, Attention):
+        it.fail(node, "edge_update", f"returns {type(out).__name__}: only attention values "
+                "(alpha_j + alpha_i, functions of them, softmax, dropout) are lowered")
+    return out
+
+
 def _collect(it, fn, g, kwargs, node, skip=0):
     """The arguments of ``message`` (or ``update``) as PyG collects them from ``propagate``'s
     keyword arguments: ``x_j`` / ``x_i`` the rows of ``x`` (or of ``x[0]`` / ``x[1]``) at the
@@ -434,9 +658,10 @@ def _collect(it, fn, g, kwargs, node, skip=0):
             if v is None:
                 out[n] = None
             elif isinstance(v, Tensor):
-                if v.ndim != 2 or v.node.rows != "N":
-                    it.fail(node, f"argument '{n}'", "rows of a tensor that is not N x k")
-                out[n] = Gathered(v, side)
+                if v.node.rows != "N" or not (v.ndim == 2 or v.ndim == 3 and it.heads):
+                    it.fail(node, f"argument '{n}'", "rows of a tensor that is not N x k "
+                            "(or N x heads x k)")
+                out[n] = Gathered(v, side, g)
             else:
                 it.fail(node, f"argument '{n}' of {type(v).__name__}", "not lowered")
         elif n in ("edge_index", "adj_t"):
@@ -462,6 +687,9 @@ def _message(it, g, kwargs, node):
         it.fail(node, "message of x_i", "only messages of the sources' rows (x_j) are lowered")
     if msg.coef is not None and msg.coef.graph.how != g.how:
         it.fail(node, "messages scaled by the values of another graph", "not lowered")
+    if msg.x.x.ndim == 3 and not isinstance(msg.coef, Attention):
+        it.fail(node, "messages of per-head features", "only scaled by attention values "
+                "(one per edge and head) are lowered")
     return msg
 
 
@@ -477,6 +705,17 @@ def aggregate(it, msg, node):
                 "only sum, mean and max aggregations are lowered")
     x = msg.x.x.node
     coef = msg.coef
+    if isinstance(coef, Attention):
+        if kind == "max":
+            it.fail(node, "max of attention-weighted messages", "not in the IR")
+        heads = it.heads[0] if msg.x.x.ndim == 3 and it.heads else 1
+        factors = [ir.SparseEdges(coef.node, "N", "N", heads, x.cols)]
+        if kind == "mean":
+            factors = [Degrees("in", -1.0, 1.0).leaf("N")] + factors
+        out = ir.matmul(*factors, x)
+        if msg.c != 1:
+            out = ir.Apply(f"mul({msg.c:g})", out, ("scale", msg.c), True, 0)
+        return Tensor(out, msg.x.x.ndim)
     c = msg.c * (coef.const if coef is not None else 1.0)
     if kind == "max":
         if (coef is not None and not coef.ones) or c != 1:

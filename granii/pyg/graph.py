@@ -19,7 +19,9 @@ object is involved. Edge-value tensors at the kernel interface are in PyG's edge
 ``index_graph(graph_input, num_nodes)`` returns one ``IndexGraph`` per input tensor, reused while
 the tensor is the same object with the same storage and version counter (an in-place edit bumps
 it: the edited graph is a new graph, with new caches). ``derived(g, "remaining" | "add")`` is the
-graph PyG's ``add_remaining_self_loops`` / ``add_self_loops`` make of it, once per graph.
+graph PyG's ``add_remaining_self_loops`` / ``add_self_loops`` make of it, once per graph (also
+what ``remove_self_loops`` then ``add_self_loops`` make: "remaining"); ``"removed"`` is
+``remove_self_loops`` alone.
 """
 import weakref
 
@@ -181,12 +183,18 @@ def loops_added(g, how):
 
 
 def derived(g, how):
-    """The ``IndexGraph`` of ``g`` with self loops added (``how`` as in ``loops_added``), made
-    once per graph and kept with it."""
+    """The ``IndexGraph`` of ``g`` with self loops added (``how`` as in ``loops_added``), or
+    removed (``"removed"``: PyG's ``remove_self_loops``, the other edges in order), made once per
+    graph and kept with it."""
     if how is None:
         return g
     d = g.derived.get(how)
     if d is None:
-        ei, _ = loops_added(g, how)
-        d = g.derived[how] = IndexGraph(ei[0], ei[1], g.n, g.kind)
+        if how == "removed":
+            kept = g.src != g.dst
+            d = IndexGraph(g.src[kept], g.dst[kept], g.n, g.kind)
+        else:
+            ei, _ = loops_added(g, how)
+            d = IndexGraph(ei[0], ei[1], g.n, g.kind)
+        g.derived[how] = d
     return d

@@ -15,6 +15,9 @@ raises ``FrontendError`` naming the construct.
                       count of edges per node on one side, raised to ``power``, with ``inf``
                       replaced by 0 when ``masked`` (``deg_inv_sqrt.masked_fill_(... == inf, 0)``)
     Gathered          ``x_j`` (rows of ``x`` at each edge's source) or ``x_i`` (at its target)
+    Attention         per-edge, per-head values computed from node features (an IR edge node:
+                      ``alpha_j + alpha_i`` is ``EdgeScore``, then ``leaky_relu``, ``softmax``
+                      over each target's in-edges, dropout), as an ``edge_update`` makes them
     Message           ``coef * x_j``: what a message function returns
 """
 import dataclasses
@@ -95,10 +98,23 @@ class NodeIndex:
 
     view = reshape = to = contiguous = _same
 
+    def numel(self):
+        return EdgeCount(self.graph)
+
 
 @dataclass(eq=False)
 class EdgeCount:
+    """``edge_index.size(1)``. Compared with 0 (``if index.numel() == 0: return alpha`` in an
+    ``edge_update``) it is taken as not 0: on a graph without edges the other branch computes
+    the same empty values (functions of an empty tensor), so the plan holds for both."""
     graph: PygGraph
+
+    def __eq__(self, other):
+        if isinstance(other, int) and not isinstance(other, bool) and other == 0:
+            return False
+        fail("a comparison of the number of edges", "only with 0 is lowered")
+
+    __hash__ = object.__hash__
 
 
 @dataclass(frozen=True)
@@ -234,16 +250,53 @@ class Gathered:
     ``frontend.values.Tensor``) at each edge's source or target."""
     x: object
     side: str
+    graph: PygGraph = None          # the graph an ``edge_update`` reads it on (else unknown)
 
     view = reshape = to = float = contiguous = _same
 
+    def __add__(self, other):
+        """``alpha_j + alpha_i``: per-edge scores ``e_uv = a_u + b_v`` (an SDDMM), of one value
+        per edge and head (``a``, ``b`` N x H)."""
+        from .. import ir
+        if not isinstance(other, Gathered) or other.side == self.side or \
+                self.graph is None or other.graph is not self.graph:
+            fail("a sum of gathered rows", "only alpha_j + alpha_i of one graph is lowered")
+        src, dst = (self, other) if self.side == "src" else (other, self)
+        if src.x.ndim != 2 or dst.x.ndim != 2:
+            fail("x_i + x_j of per-head feature vectors (GATv2's attention)",
+                 "per-edge features are not in the IR: its edge values are one number per "
+                 "edge and head")
+        return Attention(self.graph, ir.EdgeScore(src.x.node, dst.x.node))
+
+    __radd__ = __add__
+
     def __mul__(self, other):
+        if isinstance(other, Attention):
+            return Message(other, self)
         if isinstance(other, EdgeVal):
             return Message(other, self)
         if isinstance(other, (int, float)) and not isinstance(other, bool):
             return Message(None, self, float(other))
         fail(f"a product of x_{'j' if self.side == 'src' else 'i'} and "
              f"{type(other).__name__}", "only per-edge values times x_j are lowered")
+
+    __rmul__ = __mul__
+
+
+@dataclass(eq=False)
+class Attention:
+    """Values per edge and head of ``graph``, the IR edge node ``node`` (``EdgeScore``,
+    ``Apply`` of it, ``EdgeSoftmax``): what GATConv's ``edge_update`` returns."""
+    graph: PygGraph
+    node: object
+
+    view = reshape = to = float = contiguous = unsqueeze = squeeze = type_as = _same
+
+    def __mul__(self, other):
+        if isinstance(other, Gathered):
+            return Message(self, other)
+        fail(f"a product of attention values and {type(other).__name__}", "only with x_j is "
+             "lowered")
 
     __rmul__ = __mul__
 
@@ -269,6 +322,7 @@ class Message:
     __rmul__ = __mul__
 
 
-PYG_VALUES = (PygGraph, NodeIndex, EdgeCount, EdgeVal, DegVec, InfMask, Gathered, Message)
+PYG_VALUES = (PygGraph, NodeIndex, EdgeCount, EdgeVal, DegVec, InfMask, Gathered, Attention,
+              Message)
 
 __all__ = [c.__name__ for c in PYG_VALUES] + ["EdgeW", "field"]

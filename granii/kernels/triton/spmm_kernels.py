@@ -1,0 +1,265 @@
+"""Sparse-dense products with fused epilogues, in Triton.
+
+For the CSR matrix ``M`` (``A``, or ``A^T`` in a backward), per-head edge values ``w`` (``(nnz, H)``
+in ``M``'s CSR order, or all ones), a row-scale vector ``r`` and a column-scale vector ``c``, and
+``X`` of shape ``(cols, H * D)`` (head ``h`` owns columns ``h D .. h D + D - 1``)::
+
+    S[v, f]  = r[v] * sum_{j in row v} w[j, f // D] * c[col_j] * X[col_j, f]
+    Y[v, f]  = act(S[v, f] + bias[f] + R[v, f])          act: identity or ReLU
+
+GCN's normalisation ``D^-1/2 A D^-1/2`` is ``r = c = deg^-1/2``; mean aggregation ``r = 1/deg``;
+SAGE's self term and GIN's ``(1 + eps) X`` are the residual ``R``.
+
+Two schedules compute the same sums:
+
+* ``rows``: one program per (row, block of ``BLOCK_F`` columns); it walks the row's edges
+  ``BLOCK_E`` at a time, gathering a ``BLOCK_E x BLOCK_F`` tile of ``X``. A row of a hub with
+  10^5 edges is one program's serial work: skewed graphs leave the GPU waiting for it.
+* ``segments``: one program per work item of at most ``SEG`` edges (``graph._segments``): short
+  rows are one item each; long rows are split, their items add partial sums (already scaled by
+  ``r``) with atomic adds into a zeroed output, and a second small kernel applies
+  ``bias + R`` and ``act`` to those rows only. Every program does bounded work, whatever the
+  degree distribution, and the loop bound is the compile-time ``SEG``.
+
+Autograd (``SpmmFn``), with ``P = dL/dY`` masked by ``Y > 0`` under ReLU::
+
+    dX    = diag(c) M_w^T diag(r) P        (the same kernel on the transpose, r and c swapped,
+                                            values in its CSR order: w[pos])
+    dw_jh = r[v] c[u] <P[v, h], X[u, h]>   for entry j = (v, u): an SDDMM (``sddmm_kernels.sddmm_dot``)
+    dbias = sum_v P[v];   dR = P
+    dr[v] = <P[v], (M_w diag(c) X)[v]>;    dc[u] = <X[u], (M_w^T diag(r) P)[u]>
+"""
+import torch
+import triton
+import triton.language as tl
+
+from granii.kernels.triton.graph import next_pow2
+from granii.kernels.triton.launch import launch
+
+SEG = 64          # edges per work item of the ``segments`` schedule
+
+
+@triton.jit
+def _gather_sum(acc, start, end, bound, indices, w, cs, x, f, fmask, F, D, H,
+                HAS_W: tl.constexpr, HAS_CS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``acc + sum_{j in [start, end)} w[j, f // D] c[col_j] X[col_j, f]``, ``BLOCK_E`` edges a
+    step, ``bound`` (>= end - start) steps' worth of offsets, the rest masked."""
+    for k in range(0, bound, BLOCK_E):
+        offs = start + k + tl.arange(0, BLOCK_E)
+        emask = offs < end
+        cols = tl.load(indices + offs, mask=emask, other=0).to(tl.int64)
+        m2 = emask[:, None] & fmask[None, :]
+        xv = tl.load(x + cols[:, None] * F + f[None, :], mask=m2, other=0.0)
+        if HAS_W:
+            wv = tl.load(w + offs[:, None] * H + (f // D)[None, :], mask=m2, other=0.0)
+            xv = xv * wv
+        if HAS_CS:
+            cv = tl.load(cs + cols, mask=emask, other=0.0)
+            xv = xv * cv[:, None]
+        acc += tl.sum(xv, axis=0)
+    return acc
+
+
+@triton.jit
+def _finish(acc, row, f, fmask, bias, res, F,
+            HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RELU: tl.constexpr):
+    """``act(acc + bias[f] + R[row, f])``."""
+    if HAS_BIAS:
+        acc += tl.load(bias + f, mask=fmask, other=0.0)
+    if HAS_RES:
+        acc += tl.load(res + row * F + f, mask=fmask, other=0.0)
+    if RELU:
+        acc = tl.maximum(acc, 0.0)
+    return acc
+
+
+@triton.jit
+def spmm_rows_kernel(indptr, indices, w, rs, cs, x, bias, res, y, F, D, H,
+                     BOUND: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr,
+                     HAS_W: tl.constexpr, HAS_RS: tl.constexpr, HAS_CS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RELU: tl.constexpr):
+    """One program per (row, column block): ``Y[row, f]`` of the module docstring. ``BOUND``: 0
+    reads the row's length as the loop bound, else it is the (static) bound."""
+    row = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    fmask = f < F
+    start = tl.load(indptr + row).to(tl.int64)
+    end = tl.load(indptr + row + 1).to(tl.int64)
+    acc = tl.zeros([BLOCK_F], dtype=x.dtype.element_ty)
+    if BOUND == 0:
+        acc = _gather_sum(acc, start, end, end - start, indices, w, cs, x, f, fmask, F, D, H,
+                          HAS_W, HAS_CS, BLOCK_E)
+    else:
+        acc = _gather_sum(acc, start, end, BOUND, indices, w, cs, x, f, fmask, F, D, H,
+                          HAS_W, HAS_CS, BLOCK_E)
+    if HAS_RS:
+        acc = acc * tl.load(rs + row)
+    acc = _finish(acc, row, f, fmask, bias, res, F, HAS_BIAS, HAS_RES, RELU)
+    tl.store(y + row * F + f, acc, mask=fmask)
+
+
+@triton.jit
+def spmm_segments_kernel(seg_row, seg_start, seg_end, seg_whole, indices, w, rs, cs, x, bias,
+                         res, y, F, D, H,
+                         SEG: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr,
+                         HAS_W: tl.constexpr, HAS_RS: tl.constexpr, HAS_CS: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RELU: tl.constexpr):
+    """One program per (work item, column block): a whole row stores its finished result; a piece
+    of a split row adds ``r[row] * partial`` atomically (``y`` zeroed before)."""
+    item = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    fmask = f < F
+    row = tl.load(seg_row + item).to(tl.int64)
+    start = tl.load(seg_start + item).to(tl.int64)
+    end = tl.load(seg_end + item).to(tl.int64)
+    flag = tl.load(seg_whole + item)
+    acc = tl.zeros([BLOCK_F], dtype=x.dtype.element_ty)
+    acc = _gather_sum(acc, start, end, SEG, indices, w, cs, x, f, fmask, F, D, H,
+                      HAS_W, HAS_CS, BLOCK_E)
+    if HAS_RS:
+        acc = acc * tl.load(rs + row)
+    done = _finish(acc, row, f, fmask, bias, res, F, HAS_BIAS, HAS_RES, RELU)
+    tl.store(y + row * F + f, done, mask=fmask & (flag != 0))
+    tl.atomic_add(y + row * F + f, acc, mask=fmask & (flag == 0))
+
+
+@triton.jit
+def finish_rows_kernel(rows, bias, res, y, F, BLOCK_F: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RELU: tl.constexpr):
+    """``Y[row] = act(Y[row] + bias + R[row])`` for the listed rows (the split rows)."""
+    row = tl.load(rows + tl.program_id(0)).to(tl.int64)
+    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    fmask = f < F
+    acc = tl.load(y + row * F + f, mask=fmask, other=0.0)
+    acc = _finish(acc, row, f, fmask, bias, res, F, HAS_BIAS, HAS_RES, RELU)
+    tl.store(y + row * F + f, acc, mask=fmask)
+
+
+def _blocks(width):
+    block_f = min(next_pow2(width), 128)
+    block_e = max(16, min(64, 4096 // block_f))
+    return block_e, block_f
+
+
+def spmm_csr(csr, x, w=None, rs=None, cs=None, bias=None, res=None, relu=False,
+             schedule="rows"):
+    """``Y = act(diag(rs) M_w diag(cs) X + bias + res)`` for the ``Csr`` ``csr`` (module
+    docstring), no autograd. ``x``: ``(cols, F)`` contiguous; ``w``: ``(nnz, H)`` in CSR order
+    with ``F % H == 0``, or None; ``rs`` ``(rows,)``, ``cs`` ``(cols,)``, ``bias`` ``(F,)``,
+    ``res`` ``(rows, F)``, each or None. ``schedule``: ``"rows"`` or ``"segments"``."""
+    if x.dim() != 2:
+        raise ValueError(f"granii: x must be (cols, F), got {tuple(x.shape)}")
+    if x.shape[0] != csr.cols:
+        raise ValueError(f"granii: x has {x.shape[0]} rows, the matrix {csr.cols} columns")
+    x = x.contiguous()
+    width = x.shape[1]
+    heads = 1 if w is None else w.shape[1]
+    if width % heads:
+        raise ValueError(f"granii: {width} columns do not split into {heads} heads")
+    dummy = x
+    args = [w, rs, cs, x, bias, res]
+    w_, rs_, cs_, x_, bias_, res_ = [dummy if a is None else a.contiguous() for a in args]
+    block_e, block_f = _blocks(width)
+    flags = dict(HAS_W=w is not None, HAS_RS=rs is not None, HAS_CS=cs is not None,
+                 HAS_BIAS=bias is not None, HAS_RES=res is not None, RELU=bool(relu))
+    fblocks = triton.cdiv(width, block_f) if width else 0
+    if schedule == "rows":
+        y = torch.empty(csr.rows, width, dtype=x.dtype, device=x.device)
+        launch(spmm_rows_kernel, (csr.rows, fblocks),
+               [csr.indptr, csr.indices, w_, rs_, cs_, x_, bias_, res_, y, width,
+                width // heads, heads],
+               dict(BOUND=csr.bound(block_e), BLOCK_E=block_e, BLOCK_F=block_f, **flags))
+        return y
+    if schedule != "segments":
+        raise ValueError(f"granii: schedule must be 'rows' or 'segments', got {schedule!r}")
+    seg_row, seg_start, seg_end, seg_whole, split = csr.segments(SEG)
+    y = torch.zeros(csr.rows, width, dtype=x.dtype, device=x.device)
+    launch(spmm_segments_kernel, (seg_row.shape[0], fblocks),
+           [seg_row, seg_start, seg_end, seg_whole, csr.indices, w_, rs_, cs_, x_, bias_, res_,
+            y, width, width // heads, heads],
+           dict(SEG=SEG, BLOCK_E=min(block_e, SEG), BLOCK_F=block_f, **flags))
+    if split.shape[0] and (bias is not None or res is not None or relu):
+        launch(finish_rows_kernel, (split.shape[0], fblocks),
+               [split, bias_, res_, y, width],
+               dict(BLOCK_F=block_f, HAS_BIAS=bias is not None, HAS_RES=res is not None,
+                    RELU=bool(relu)))
+    return y
+
+
+def choose_schedule(csr):
+    """``segments`` when some row is much longer than the average (skewed degrees), else
+    ``rows``: a hub's row would be one program's serial work."""
+    if csr.rows == 0 or csr.nnz == 0:
+        return "rows"
+    mean = csr.nnz / csr.rows
+    return "segments" if csr.max_len > max(4 * SEG, 16 * mean) else "rows"
+
+
+class SpmmFn(torch.autograd.Function):
+    """``Y = act(diag(r) A_w diag(c) X + bias + R)`` and its gradients in ``x``, ``w`` (CSR order),
+    ``r``, ``c``, ``bias`` and ``R`` (module docstring). ``graph``: a ``CsrGraph``."""
+
+    @staticmethod
+    def forward(ctx, x, w, r, c, bias, res, graph, relu, schedule):
+        y = spmm_csr(graph.a, x, w, r, c, bias, res, relu, schedule)
+        ctx.graph, ctx.relu, ctx.schedule = graph, relu, schedule
+        ctx.save_for_backward(x, w, r, c, y if relu else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from granii.kernels.triton.sddmm_kernels import sddmm_dot_csr
+        x, w, r, c, y = ctx.saved_tensors
+        g = ctx.graph
+        p = dy.contiguous()
+        if ctx.relu:
+            p = torch.where(y > 0, p, torch.zeros((), dtype=p.dtype, device=p.device))
+        need_x, need_w, need_r, need_c, need_b, need_res = ctx.needs_input_grad[:6]
+        dx = dw = dr = dc = dbias = dres = None
+        w_t = None if w is None else w.index_select(0, g.pos.long())
+        sched = choose_schedule(g.at)
+        if need_x or need_c:
+            # A_w^T diag(r) P, then diag(c) (and dc) from it
+            t = spmm_csr(g.at, p, w_t, None, r, schedule=sched)
+            if need_c:
+                dc = (x * t).sum(dim=1)
+            if need_x:
+                dx = t if c is None else t * c.reshape(-1, 1)
+        if need_r:
+            s = spmm_csr(g.a, x, w, None, c, schedule=ctx.schedule)
+            dr = (p * s).sum(dim=1)
+        if need_w:
+            heads = w.shape[1]
+            pv = p if r is None else p * r.reshape(-1, 1)
+            xu = x if c is None else x * c.reshape(-1, 1)
+            dw = sddmm_dot_csr(g.a, pv, xu, heads)
+        if need_b:
+            dbias = p.sum(dim=0)
+        if need_res:
+            dres = p
+        return dx, dw, dr, dc, dbias, dres, None, None, None
+
+
+def spmm(graph, x, w=None, row_scale=None, col_scale=None, bias=None, residual=None, relu=False,
+         schedule="auto"):
+    """``Y = act(diag(row_scale) A_w diag(col_scale) X + bias + residual)`` on a ``CsrGraph``,
+    differentiable in every tensor argument.
+
+    ``x``: ``(num_src, F)`` or ``(num_src, H, D)``; ``w``: edge values in edge order, ``(E,)`` or
+    ``(E, H)`` (per head: ``x``'s columns split into ``H`` heads), or None for ``A`` itself;
+    ``row_scale`` ``(num_dst,)``, ``col_scale`` ``(num_src,)``, ``bias`` ``(F,)``, ``residual``
+    ``(num_dst, F)``. Returns ``(num_dst, ...)`` in ``x``'s trailing shape. ``schedule``:
+    ``"rows"``, ``"segments"`` or ``"auto"`` (``choose_schedule``)."""
+    shape = x.shape
+    x2 = x.reshape(shape[0], -1)
+    w2 = None
+    if w is not None:
+        w2 = graph.to_csr_order(w.reshape(graph.num_edges, -1))
+    if residual is not None:
+        residual = residual.reshape(graph.num_dst, -1)
+    if bias is not None:
+        bias = bias.reshape(-1)
+    if schedule == "auto":
+        schedule = choose_schedule(graph.a)
+    y = SpmmFn.apply(x2, w2, row_scale, col_scale, bias, residual, graph, relu, schedule)
+    return y.reshape(graph.num_dst, *shape[1:])

@@ -90,4 +90,4 @@ def test_a_later_process_reads_what_the_first_cached(tmp_path, models):
     assert later["read"] == [] and later["model"] == first["model"]
     if models == "own":
         assert first["model"].startswith("learned (")
-    assert any((tmp_path / "cache" / "trees").glob("*.npy"))
+    assert any((tmp_path / "cache" / "trees").glob("*.i32"))

@@ -294,7 +294,7 @@ REFUSED = {
     "edgeconv": (lambda: pyg_nn.EdgeConv(_mlp(12, 5)), "'x_j - x_i'"),
     "edge_mlp": (EdgeMLP, "'x_j - x_i'"),
     "appnp_dropout": (lambda: pyg_nn.APPNP(K=2, alpha=0.1, dropout=0.5), "dropout"),
-    "gat": (lambda: pyg_nn.GATConv(6, 5, heads=2), ""),
+    "gatv2": (lambda: pyg_nn.GATv2Conv(6, 5, heads=2), "GATv2"),
 }
 
 

@@ -70,7 +70,7 @@ def unsupported_input(values, feat, graph):
 def compile_pyg(layer, values):
     """``(PygIR, Compiled)`` of ``layer`` for the call signature of ``values``; raises
     ``FrontendError`` (or ``RaisesForConfig``) when the forward is not lowered."""
-    from ..dispatch import compiled
+    from ..runtime.variants import compiled
     names = list(values)
     kind = input_kind(values[names[1]])
     pir = lower_pyg(layer, values, kind)
@@ -96,7 +96,8 @@ class Prepared:
 def bind_call(layer, pir, compiled, values, state=None):
     """The core's ``Call`` of a PyG call: the graph the propagates run on (self loops added as
     the code adds them), the per-edge values computed, leaves bound and sizes checked."""
-    from ..dispatch import Call, _bind, new_state
+    from ..runtime.bind import Call, _bind
+    from ..runtime.state import new_state
     from .bind import edge_values
     x = values[pir.feat]
     base = index_graph(values[pir.graph], x.shape[0])
@@ -132,10 +133,30 @@ def prepare(layer, *args, **kwargs):
 
 def step_impls(step, edge_grad=False):
     """The kernel implementations of a plan step that run on an index graph (not DGL's);
-    ``edge_grad``: per-edge values of the call need a gradient."""
+    ``edge_grad``: the step's per-edge values (its first operand) need a gradient."""
     from ..plan import step_impls as all_impls
     needed = (0,) if edge_grad else ()
     return tuple(i for i in all_impls(step) if IndexGraph.runs(step.prim, i, needed))
+
+
+def _edge_grads(plan, call):
+    """Per step of ``plan``: whether its first operand needs a gradient in this call, as the
+    selection reads it (``select._needs_grad``): the call's per-edge values that need one, or
+    values computed from parameters (GAT's attention) while gradients are on."""
+    from ..select import _base
+    if not torch.is_grad_enabled():
+        return [False] * len(plan.steps)
+    needs = set()
+    for var, leaf in plan.leaves.items():
+        value = call.leaf_vals.get(var)
+        if leaf.sub == "weight" and leaf.source[0] in ("param", "param_block", "headdiag") \
+                and any(p.requires_grad for p in call.module.parameters()) \
+                or getattr(value, "requires_grad", False):
+            needs.add(var)
+    for st in plan.steps:
+        if any(_base(a) in needs for a in st.args):
+            needs.add(st.var)
+    return [bool(st.args) and _base(st.args[0]) in needs for st in plan.steps]
 
 
 def edge_grad(call):
@@ -152,9 +173,9 @@ def plan_choices(prepared):
     fewer), so each implementation runs in place once. Plans with a step that only DGL runs
     are left out."""
     out = []
-    grad = edge_grad(prepared.call)
     for plan in prepared.plans:
-        per_step = [step_impls(s, grad) for s in plan.steps]
+        grads = _edge_grads(plan, prepared.call)
+        per_step = [step_impls(s, g) for s, g in zip(plan.steps, grads)]
         if any(not o for o in per_step):
             continue
         n = max((len(o) for o in per_step), default=1)
@@ -167,7 +188,7 @@ def plan_choices(prepared):
 def run(prepared, plan=None, impls=None):
     """Run ``plan`` (default: the first promoted plan that runs here) with kernel
     implementations ``impls`` (default: each step's first) on the prepared call."""
-    from ..dispatch import run_plan
+    from ..runtime.variants import run_plan
     call = prepared.call
     if edge_grad(call):             # values computed from an argument: a graph per run
         call = bind_call(prepared.layer, prepared.pir, prepared.compiled, prepared.values)
@@ -177,8 +198,8 @@ def run(prepared, plan=None, impls=None):
             raise FrontendError("plans", "every plan needs a kernel only DGL has")
         plan, impls = choices[0]
     if impls is None:
-        grad = edge_grad(prepared.call)
-        impls = tuple(step_impls(s, grad)[0] for s in plan.steps)
+        impls = tuple(step_impls(s, g)[0]
+                      for s, g in zip(plan.steps, _edge_grads(plan, prepared.call)))
     return run_plan(call, plan, impls)
 
 
@@ -191,7 +212,8 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
     string (the reason) when the original forward must run. Compiled variants are kept in
     ``state.compiled`` per call signature (which arguments are tensors, the graph input's kind,
     plain arguments) and reused while the configuration they read holds."""
-    from ..dispatch import _holds, _repeats, input_identity
+    from ..runtime.bind import _repeats, input_identity
+    from ..runtime.variants import _holds
     values = bind_values(module, args, kwargs)
     names = list(values)
     feat, graph = names[0], names[1]
@@ -217,7 +239,7 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
         except (FrontendError, RaisesForConfig) as e:
             found = e
         except Exception as e:        # noqa: BLE001 - whatever fails, the original forward runs
-            from ..dispatch import _failure
+            from ..runtime.variants import _failure
             found = _failure("the PyG frontend", e)
         variants.append(found)
     if isinstance(found, Exception):
@@ -237,7 +259,7 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
 
 
 def _register():
-    from ..dispatch import CALL_BINDERS, is_pyg_layer as claims
+    from ..runtime.state import CALL_BINDERS, is_pyg_layer as claims
     if all(c is not claims for c, _ in CALL_BINDERS):
         CALL_BINDERS.append((claims, prepare_call))
 

@@ -70,7 +70,7 @@ def unsupported_input(values, feat, graph):
 def compile_pyg(layer, values):
     """``(PygIR, Compiled)`` of ``layer`` for the call signature of ``values``; raises
     ``FrontendError`` (or ``RaisesForConfig``) when the forward is not lowered."""
-    from ..runtime.variants import compiled
+    from ..dispatch import compiled
     names = list(values)
     kind = input_kind(values[names[1]])
     pir = lower_pyg(layer, values, kind)
@@ -96,8 +96,7 @@ class Prepared:
 def bind_call(layer, pir, compiled, values, state=None):
     """The core's ``Call`` of a PyG call: the graph the propagates run on (self loops added as
     the code adds them), the per-edge values computed, leaves bound and sizes checked."""
-    from ..runtime.bind import Call, _bind
-    from ..runtime.state import new_state
+    from ..dispatch import Call, _bind, new_state
     from .bind import edge_values
     x = values[pir.feat]
     base = index_graph(values[pir.graph], x.shape[0])
@@ -188,7 +187,7 @@ def plan_choices(prepared):
 def run(prepared, plan=None, impls=None):
     """Run ``plan`` (default: the first promoted plan that runs here) with kernel
     implementations ``impls`` (default: each step's first) on the prepared call."""
-    from ..runtime.variants import run_plan
+    from ..dispatch import run_plan
     call = prepared.call
     if edge_grad(call):             # values computed from an argument: a graph per run
         call = bind_call(prepared.layer, prepared.pir, prepared.compiled, prepared.values)

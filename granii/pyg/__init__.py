@@ -211,8 +211,7 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
     string (the reason) when the original forward must run. Compiled variants are kept in
     ``state.compiled`` per call signature (which arguments are tensors, the graph input's kind,
     plain arguments) and reused while the configuration they read holds."""
-    from ..runtime.bind import _repeats, input_identity
-    from ..runtime.variants import _holds
+    from ..dispatch import _holds, _repeats, input_identity
     values = bind_values(module, args, kwargs)
     names = list(values)
     feat, graph = names[0], names[1]
@@ -238,7 +237,7 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
         except (FrontendError, RaisesForConfig) as e:
             found = e
         except Exception as e:        # noqa: BLE001 - whatever fails, the original forward runs
-            from ..runtime.variants import _failure
+            from ..dispatch import _failure
             found = _failure("the PyG frontend", e)
         variants.append(found)
     if isinstance(found, Exception):
@@ -258,7 +257,7 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
 
 
 def _register():
-    from ..runtime.state import CALL_BINDERS, is_pyg_layer as claims
+    from ..dispatch import CALL_BINDERS, is_pyg_layer as claims
     if all(c is not claims for c, _ in CALL_BINDERS):
         CALL_BINDERS.append((claims, prepare_call))
 

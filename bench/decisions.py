@@ -1,6 +1,6 @@
 """What granii did with a model's layers: how many run an optimized plan, which fall back and why,
 and the composition and kernel implementations each chose."""
-from granii.dispatch import layer_states
+from granii.runtime.dispatch import layer_states
 
 
 def describe(model):
@@ -48,8 +48,8 @@ class Settling:
 
 
 def _trials(models):
-    from granii import dispatch
-    trial = getattr(dispatch, "Trial", None)
+    from granii.runtime import tiebreak
+    trial = getattr(tiebreak, "Trial", None)
     out = {}
     if trial is None:
         return out

@@ -323,7 +323,7 @@ def study_graph(spec, model):
 
 # -- one configuration ----------------------------------------------------------------------------
 def _state(layer):
-    from granii.dispatch import layer_states
+    from granii.runtime.dispatch import layer_states
     states = layer_states(layer)
     return states[0] if states else None
 
@@ -335,7 +335,7 @@ def _per_graph(state):
 def settle(runner, layer, most=SETTLE_CALLS):
     """Call until the layer's tie-break stopped moving (twice in a row) or ``most`` calls; the
     trials seen (``Trial`` objects) and the calls made."""
-    from granii.dispatch import Trial
+    from granii.runtime.tiebreak import Trial
     settled, trials, calls, quiet = Settling(layer), {}, 0, 0
     while calls < most:
         runner()
@@ -353,7 +353,7 @@ def settle(runner, layer, most=SETTLE_CALLS):
 def kept(layer):
     """``(plan index or None for the original forward, impls, label)`` of what the layer ran on
     its last call, or None (not optimized)."""
-    from granii.dispatch import ORIGINAL
+    from granii.runtime.state import ORIGINAL
     st = _state(layer)
     if st is None or st.fallback or st.forward_run is None:
         return None
@@ -502,7 +502,7 @@ def measure_config(spec, g, model, k_in, k_out, training, cost_model, repeat=5, 
     samples[DGL] = samples["dgl"] + samples["dgl#2"]
     others_picks = {}
     if alternatives:
-        from granii.dispatch import prepare
+        from granii.runtime.bind import prepare
         from granii.select import rank, trial_candidates
         with torch.set_grad_enabled(training):
             call = prepare(st, plan_layer, (g, x), {})
@@ -568,7 +568,8 @@ def calibration_decisions(specs, graphs, calibrations, layers=LAYERS, sizes=SIZE
     each of ``calibrations`` (``{label: reference times}``; ``{}``: unscaled). Ranks only: no
     timing, so it runs anywhere. Rows ``(graph, model, k_in, k_out, mode, {label: pick})``."""
     from granii import learned
-    from granii.dispatch import new_state, prepare
+    from granii.runtime.bind import prepare
+    from granii.runtime.state import new_state
     from granii.fingerprint import machine_fingerprint
     from granii.select import rank, trial_candidates
     fp = machine_fingerprint()

@@ -35,7 +35,8 @@ import dgl
 import torch
 
 from granii import granii
-from granii.dispatch import dispatcher_of, prepare
+from granii.runtime.bind import prepare
+from granii.runtime.dispatch import dispatcher_of
 
 from .csvfile import write_csv
 from .graphs import with_self_loops

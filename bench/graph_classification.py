@@ -164,7 +164,7 @@ def run_one(name, epochs, seed=0):
     """Train and evaluate both copies in turns; a dict of the figures."""
     import copy
     from granii import granii
-    from granii.dispatch import layer_states
+    from granii.runtime.dispatch import layer_states
     torch.set_num_threads(2)
     data = dataset(name, seed)
     labels = [lab for _, lab in data]

@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:
 
 from bench.csvfile import write_csv  # noqa: E402
 from granii import granii, hetero_conv, hetero_graphs  # noqa: E402
-from granii.dispatch import TRIAL_ROUNDS  # noqa: E402
+from granii.runtime.tiebreak import TRIAL_ROUNDS# noqa: E402
 from granii.profiling.timing import side_by_side  # noqa: E402
 
 # calls after which every tie-break has settled: each relation's own, then the container's

@@ -73,7 +73,7 @@ def child(name, k):
     import granii
     from granii import enumerate as en
     from granii.datasets import load_graph
-    from granii.dispatch import layer_states
+    from granii.runtime.dispatch import layer_states
     from granii.frontend import lower_layer
     torch.set_num_threads(2)
     from dgl.nn import GraphConv
@@ -124,7 +124,7 @@ def speed_rows(graphs, calls):
     import granii
     from dgl.nn import APPNPConv
     from granii.datasets import load_graph
-    from granii.dispatch import layer_states
+    from granii.runtime.dispatch import layer_states
     torch.set_num_threads(2)
     # the process's one-time costs (cost models, first kernel calls) before any timing
     warm = load_graph("cora", self_loops="add")

@@ -42,7 +42,10 @@ import dgl
 import torch
 
 from granii import granii as optimize
-from granii.dispatch import layer_states, leaf_vals_order, new_state, prepare
+from granii.runtime.bind import prepare
+from granii.runtime.dispatch import layer_states
+from granii.runtime.state import new_state
+from granii.runtime.variants import leaf_vals_order
 from granii.plan import compile_plan, step_impls
 from granii.select import EXPECTED_CALLS, price
 

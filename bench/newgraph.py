@@ -63,7 +63,7 @@ def _graph(n, e, loops, seed):
 def run_one(layer, k_in, k_out, training, calls, n, e):
     """One configuration in this process: a dict of the figures."""
     from granii import granii
-    from granii.dispatch import layer_states
+    from granii.runtime.dispatch import layer_states
     torch.set_num_threads(2)
     dgl_model, loops = _build(layer, k_in, k_out)
     opt = copy.deepcopy(dgl_model)
@@ -137,7 +137,7 @@ def _overhead(layer, n, e, loops, k_in, pairs=20):
     call, against the compiled function of the decision its class kept called directly on
     another object of the same graph (which builds the plan's index of that graph as the call
     does). ``None`` when the class kept DGL's own forward or its tie-break is not over."""
-    from granii import dispatch
+    from granii import runtime as dispatch
     from granii.graph import graph_info
     st = dispatch.layer_states(layer)[0]
     records = [r for rs in st.classes.values() for r in rs]

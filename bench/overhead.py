@@ -25,7 +25,7 @@ import torch
 from dgl.nn import GraphConv
 
 from granii import granii as optimize
-from granii.dispatch import prepare
+from granii.runtime.bind import prepare
 from granii.featurize import graph_features
 from granii.graph import GraphInfo
 from granii.plan import compile_plan

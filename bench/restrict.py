@@ -37,7 +37,7 @@ class WithoutNative:
 
 def uses_excluded(model, excluded=EXCLUDED):
     """Implementations in ``excluded`` that the decisions of ``model``'s layers use."""
-    from granii.dispatch import layer_states
+    from granii.runtime.dispatch import layer_states
     found = set()
     for st in layer_states(model):
         if st.last is not None:

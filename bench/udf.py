@@ -33,7 +33,7 @@ from torch import nn
 
 from granii import granii
 from granii.datasets import load_graph
-from granii.dispatch import layer_states
+from granii.runtime.dispatch import layer_states
 
 from .csvfile import write_csv
 from .graphs import with_self_loops

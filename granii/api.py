@@ -19,8 +19,10 @@ import sys
 
 import torch
 
-from .dispatch import (Dispatcher, Options, Ran, _any_requires_grad, dispatcher_of, inspecting,
-                       is_pyg_layer, layer_states, leaf_vals_order, prepare)
+from .runtime.bind import prepare
+from .runtime.dispatch import Dispatcher, dispatcher_of, inspecting, layer_states
+from .runtime.state import Options, Ran, _any_requires_grad, is_pyg_layer
+from .runtime.variants import leaf_vals_order
 from .explain import explain
 from . import pyg  # noqa: F401  (binds PyTorch Geometric layers' calls for the dispatcher)
 from .kernels import pool

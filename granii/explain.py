@@ -11,7 +11,8 @@ import io
 import sys
 
 from . import ir
-from .dispatch import Compiled, layer_states
+from .runtime.dispatch import layer_states
+from .runtime.state import Compiled
 from .memory import fmt_bytes, plan_memory
 
 

@@ -53,8 +53,10 @@ import weakref
 
 import torch
 
-from .dispatch import (AUTOCAST, ORIGINAL, TRIAL_MARGIN, Dispatcher, Trial, autocast_on,
-                       original_forward)
+from .runtime.dispatch import Dispatcher
+from .runtime.state import AUTOCAST, ORIGINAL, autocast_on, original_forward
+from .runtime.tiebreak import Trial
+from .select import TRIAL_MARGIN
 from .graph import _physical_memory, graph_info
 from .kernels import pool, typed
 

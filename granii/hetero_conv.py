@@ -26,8 +26,9 @@ import weakref
 
 import torch
 
-from .dispatch import (AUTOCAST, ORIGINAL, BackwardClock, Dispatcher, Trial, autocast_on,
-                       dispatcher_of, original_forward)
+from .runtime.dispatch import Dispatcher, dispatcher_of
+from .runtime.state import AUTOCAST, ORIGINAL, autocast_on, original_forward
+from .runtime.tiebreak import BackwardClock, Trial
 from .kernels import pool
 
 

@@ -50,7 +50,7 @@ import functools
 import torch
 
 from . import hetero
-from .dispatch import TRIAL_MARGIN
+from .select import TRIAL_MARGIN
 from .kernels import typed
 
 NORM_EXPONENTS = {"none": (0.0, 0.0), "right": (1.0, 0.0), "left": (0.0, 1.0),

@@ -28,7 +28,9 @@ import time
 import torch
 
 from . import hetero
-from .dispatch import ORIGINAL, TRIAL_MARGIN, Trial
+from .runtime.state import ORIGINAL
+from .runtime.tiebreak import Trial
+from .select import TRIAL_MARGIN
 from .kernels import typed
 
 PLACES = ("1", "2", "3")

@@ -33,7 +33,8 @@ import torch  # noqa: E402
 from bench.measure import state_for  # noqa: E402
 from bench.models import build  # noqa: E402
 from granii import datasets  # noqa: E402
-from granii.dispatch import leaf_vals_order, prepare  # noqa: E402
+from granii.runtime.bind import prepare# noqa: E402
+from granii.runtime.variants import leaf_vals_order
 from granii.graph import GraphInfo  # noqa: E402
 from granii.learned import default_cost_model  # noqa: E402
 from granii.plan import compile_plan  # noqa: E402

@@ -53,7 +53,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.csvfile import write_csv  # noqa: E402
-from granii.dispatch import every_plan, leaf_vals_order, new_state, prepare  # noqa: E402
+from granii.runtime.bind import prepare# noqa: E402
+from granii.runtime.state import new_state
+from granii.runtime.variants import every_plan, leaf_vals_order
 from granii.costmodel import PRICED_AS, AnalyticalCost  # noqa: E402
 from granii.datasets import GRAPHS, load_graph  # noqa: E402
 from granii.fingerprint import fingerprint_id, machine_fingerprint  # noqa: E402
@@ -223,8 +225,9 @@ def timed_candidates(times, call):
 
 
 def _lead_args(fn, call):
-    """The arguments a compiled plan takes before the leaf values (as ``granii.dispatch.run_plan``
-    passes them): the graph's ``GraphInfo`` and, in newer plans, the module."""
+    """The arguments a compiled plan takes before the leaf values (as
+    ``granii.runtime.variants.run_plan`` passes them): the graph's ``GraphInfo`` and, in newer
+    plans, the module."""
     names = list(inspect.signature(fn).parameters)
     return [call.gi] + ([call.module] if len(names) > 1 and names[1] == "module" else [])
 

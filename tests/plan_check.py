@@ -3,7 +3,9 @@ import itertools
 
 import torch
 
-from granii.dispatch import new_state, prepare, run_plan
+from granii.runtime.bind import prepare
+from granii.runtime.state import new_state
+from granii.runtime.variants import run_plan
 from granii.plan import step_impls
 
 

@@ -320,7 +320,7 @@ def test_settling_follows_a_tie_break_on_sampled_blocks(cost_model):
 
     from bench.decisions import Settling
     from granii import granii
-    from granii.dispatch import TRIAL_ROUNDS
+    from granii.runtime.tiebreak import TRIAL_ROUNDS
     torch.set_num_threads(2)
     dgl.seed(0)
     g = dgl.add_self_loop(dgl.rand_graph(300, 2400))

@@ -107,7 +107,7 @@ def test_kept_reads_the_plan_a_layer_runs():
     from dgl.nn import GraphConv
 
     from granii import granii
-    from granii.dispatch import layer_states
+    from granii.runtime.dispatch import layer_states
     g = du.knn(300, 4, seed=0)
     x = torch.randn(300, 8)
     layer = GraphConv(8, 16, norm="both").eval()
@@ -138,7 +138,8 @@ def test_steady_work_of_fixed_features():
     then every such plan runs one GEMM per call, whatever kernel aggregated."""
     from dgl.nn import GraphConv
 
-    from granii.dispatch import new_state, prepare
+    from granii.runtime.bind import prepare
+    from granii.runtime.state import new_state
     g = du.knn(300, 4, seed=0)
     x = torch.randn(300, 8)
     layer = GraphConv(8, 16, norm="both").eval()

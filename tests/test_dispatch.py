@@ -8,9 +8,11 @@ import dgl.function as fn
 from dgl.nn import GraphConv, SAGEConv
 from torch import nn
 
-from granii import dispatch, granii
+from granii import granii
+from granii.runtime import fastpath, tiebreak
 from granii.costmodel import AnalyticalCost
-from granii.dispatch import TRIAL_ROUNDS, layer_states
+from granii.runtime.dispatch import layer_states
+from granii.runtime.tiebreak import TRIAL_ROUNDS
 from granii.select import TRIAL_PLANS
 
 
@@ -214,7 +216,7 @@ def test_cache_limit_takes_only_a_number_of_bytes():
 def test_saved_decisions_are_run_again_without_deciding(tmp_path, monkeypatch):
     """A model's decisions saved to a file and given to a fresh copy: the copy runs the same
     plans, ranks nothing, and gives the same outputs; a damaged file is refused clearly."""
-    import granii.dispatch as dispatch
+    import granii.runtime.decide as decide
     g = _graph()
     torch.manual_seed(0)
     model = TwoLayers().eval()
@@ -227,8 +229,8 @@ def test_saved_decisions_are_run_again_without_deciding(tmp_path, monkeypatch):
     saved = granii.save_decisions(model, path)
     assert all(saved["layers"][st.name] for st in layer_states(model))
     ranked = []
-    real = dispatch.rank
-    monkeypatch.setattr(dispatch, "rank", lambda *a, **k: ranked.append(1) or real(*a, **k))
+    real = decide.rank
+    monkeypatch.setattr(decide, "rank", lambda *a, **k: ranked.append(1) or real(*a, **k))
     granii(fresh, g, x, cost_model=AnalyticalCost(), decisions=str(path))
     with torch.no_grad():
         got = fresh(g, x)
@@ -323,7 +325,7 @@ def test_per_graph_cache_is_bounded_and_results_stay_right():
 # -- the fast path: repeated calls skip binding and deciding, and every change is still seen ---------
 def _normal_path_calls(monkeypatch):
     """A list that grows by one each time a call takes the dispatcher's normal path."""
-    import granii.dispatch as dispatch
+    from granii.runtime import dispatch
     calls, real = [], dispatch.prepare
     monkeypatch.setattr(dispatch, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
@@ -338,7 +340,7 @@ def _optimized_pair(make, g, x, grad=False, **opts):
     granii(layer, g, x, cost_model=AnalyticalCost(), tune=False, **opts)
     with torch.set_grad_enabled(grad):
         # a graph's fast path is built once it has had ``_FAST_AFTER`` calls the normal way
-        for feats in [x] * dispatch._FAST_AFTER + [x, x.clone(), x.clone()]:
+        for feats in [x] * fastpath._FAST_AFTER + [x, x.clone(), x.clone()]:
             layer(g, feats)
     return layer, ref
 
@@ -477,7 +479,7 @@ def test_a_changed_graph_is_seen(change, monkeypatch):
 def test_deterministic_algorithms_switched_on_later_decide_without_measuring(monkeypatch):
     """A decision tuned by measurement is not reused once deterministic algorithms are
     switched on: the call decides again, by the cost model alone."""
-    import granii.dispatch as dispatch
+    from granii.runtime import dispatch
     g = _graph()
     x = torch.randn(g.num_nodes(), 8)
     torch.manual_seed(0)
@@ -498,7 +500,7 @@ def test_deterministic_algorithms_switched_on_later_decide_without_measuring(mon
             torch.testing.assert_close(layer(g, x), ref(g, x))
     finally:
         torch.use_deterministic_algorithms(False)
-    assert len(decided) == 1 and not isinstance(decided[0], dispatch.Trial)
+    assert len(decided) == 1 and not isinstance(decided[0], tiebreak.Trial)
 
 
 def test_a_thread_count_change_is_seen(monkeypatch):
@@ -597,12 +599,12 @@ def test_keyword_edge_weights_and_their_absence_each_have_their_fast_path(monkey
     granii(layer, g, x, cost_model=AnalyticalCost(), tune=False)
     normal = _normal_path_calls(monkeypatch)
     with torch.no_grad():
-        for i in range(2 * dispatch._FAST_AFTER + 8):
+        for i in range(2 * fastpath._FAST_AFTER + 8):
             w = torch.rand(g.num_edges())
             kw = {"edge_weight": w} if i % 2 else {}
             torch.testing.assert_close(layer(g, x.clone(), **kw), ref(g, x, **kw))
     # the graph's first calls, then one call per signature that builds its run
-    assert 0 < len(normal) <= dispatch._FAST_AFTER + 2
+    assert 0 < len(normal) <= fastpath._FAST_AFTER + 2
 
 
 class CheckedSum(nn.Module):
@@ -640,7 +642,7 @@ def test_a_check_on_the_features_runs_on_every_fast_call(monkeypatch):
 def test_an_attribute_re_assigned_on_every_call_stops_making_fast_runs():
     """An equal but new object each call fails the identity check each time: after a bounded
     number of rebuilt fast runs the calls stay on the normal path, with DGL's outputs."""
-    from granii.dispatch import _FAST_BUILDS
+    from granii.runtime.fastpath import _FAST_BUILDS
     g = _graph()
     x = torch.randn(g.num_nodes(), 8)
     layer, ref = _optimized_pair(_gcn, g, x)
@@ -650,7 +652,7 @@ def test_an_attribute_re_assigned_on_every_call_stops_making_fast_runs():
             layer._norm = "bo" + suffix               # a new str object, equal to "both"
             torch.testing.assert_close(layer(g, x.clone()), ref(g, x))
     (table,) = layer_states(layer)[0].fast.values()
-    assert [e.builds for k, e in table.items() if k is not dispatch._SEEN] == [_FAST_BUILDS]
+    assert [e.builds for k, e in table.items() if k is not fastpath._SEEN] == [_FAST_BUILDS]
 
 
 def _blocks(n_batches, seed=0):
@@ -730,13 +732,13 @@ class DropBlockModel(BlockModel):
 
 def _count_decisions(monkeypatch):
     """Record ``(training, input_repeats)`` of every call that ranks plans."""
-    from granii import dispatch
-    made, decide = [], dispatch._decide
+    from granii.runtime import decide as deciding
+    made, decide = [], deciding._decide
 
     def counted(state, options, call):
         made.append((call.training, call.input_repeats))
         return decide(state, options, call)
-    monkeypatch.setattr(dispatch, "_decide", counted)
+    monkeypatch.setattr(deciding, "_decide", counted)
     return made
 
 
@@ -807,7 +809,7 @@ def test_inspection_decides_without_gradients_for_inference(monkeypatch):
 def test_backward_clock_times_a_layers_backward_and_lets_go():
     """In training a trial call is timed forward + backward: the clock starts when the output's
     gradient arrives and stops at the last gradient of the layer's inputs and parameters."""
-    from granii.dispatch import BackwardClock
+    from granii.runtime.tiebreak import BackwardClock
     layer = nn.Linear(8, 4)
     x = torch.randn(16, 8, requires_grad=True)
     out = layer(x)
@@ -826,7 +828,8 @@ def test_backward_clock_times_a_layers_backward_and_lets_go():
 def test_a_plan_replaces_the_original_forward_only_when_clearly_faster():
     """The tie-break keeps the layer's own forward unless a plan's median beat it by
     ``ORIGINAL_MARGIN``; between plans the fastest median wins."""
-    from granii.dispatch import ORIGINAL, ORIGINAL_MARGIN, Trial
+    from granii.runtime.state import ORIGINAL
+    from granii.runtime.tiebreak import ORIGINAL_MARGIN, Trial
 
     def trial(plan_a, plan_b, original):
         t = Trial([("[a]", None, None), ("[b]", None, None), (ORIGINAL, None, None)])
@@ -844,7 +847,8 @@ def test_trial_drops_a_candidate_far_slower_after_one_timed_call():
     """A candidate whose fastest timed call is over ``TRIAL_DROP`` times another's leaves the
     trial (its time is still reported); within that factor all stay, and none goes before each
     has a timed call."""
-    from granii.dispatch import ORIGINAL, TRIAL_DROP, Trial
+    from granii.runtime.state import ORIGINAL
+    from granii.runtime.tiebreak import TRIAL_DROP, Trial
     t = Trial([("[a]", None, None), ("[slow]", None, None), (ORIGINAL, None, None)])
     for label, s in (("[a]", 1.0), ("[slow]", 9.0)):
         t.record(label, s)              # untimed first calls
@@ -865,7 +869,8 @@ def test_trial_on_blocks_drops_a_candidate_after_one_call_only_when_far_slower()
     """On sampled blocks every call is timed: after one call each, a candidate over
     ``TRIAL_DROP_ONE`` times the fastest leaves, one within it stays for its second call, and
     then ``TRIAL_DROP`` applies."""
-    from granii.dispatch import ORIGINAL, TRIAL_DROP, TRIAL_DROP_ONE, Trial
+    from granii.runtime.state import ORIGINAL
+    from granii.runtime.tiebreak import TRIAL_DROP, TRIAL_DROP_ONE, Trial
     t = Trial([("[a]", None, None), ("[b]", None, None), (ORIGINAL, None, None)], warm=0)
     t.record("[a]", 1.0)
     t.record(ORIGINAL, 1.1 * TRIAL_DROP_ONE)
@@ -886,7 +891,8 @@ def test_trial_drops_a_candidate_whose_first_call_is_far_slower():
     """Before its timed call, a candidate whose untimed first call exceeds ``TRIAL_FIRST_DROP``
     times another's fastest timed call, and by ``TRIAL_FIRST_EXCESS`` seconds, leaves; within
     either margin (a first call's warm-up) it stays."""
-    from granii.dispatch import ORIGINAL, TRIAL_FIRST_DROP, TRIAL_FIRST_EXCESS, Trial
+    from granii.runtime.state import ORIGINAL
+    from granii.runtime.tiebreak import TRIAL_FIRST_DROP, TRIAL_FIRST_EXCESS, Trial
     unit = TRIAL_FIRST_EXCESS           # a call of the fast plan
     t = Trial([("[a]", None, None), (ORIGINAL, None, None), ("[b]", None, None)])
     t.record("[a]", 3 * unit)           # untimed: no timed call anywhere yet, nothing to compare
@@ -1019,7 +1025,7 @@ def test_a_trial_on_blocks_times_every_call():
     """On sampled blocks (``warm=0``) a candidate's first call counts: the trial settles after
     ``TRIAL_ROUNDS`` calls each, and the medians include the first; on a whole graph the first
     call of each stays untimed."""
-    from granii.dispatch import Trial
+    from granii.runtime.tiebreak import Trial
 
     def run(warm):
         t = Trial([("[a]", None, None), ("[b]", None, None)], warm=warm)
@@ -1232,7 +1238,7 @@ def test_a_plan_that_raises_warns_runs_dgls_forward_and_says_why(monkeypatch):
     """A plan that raises on its first run: the call runs the layer's own forward (DGL's result),
     with a RuntimeWarning, and the record says it was a fallback and why. The test suite turns
     that warning into an error everywhere else (pyproject.toml): no test expects one."""
-    import granii.dispatch as dispatch
+    import granii.runtime.decide as dispatch
     from granii.api import what_ran
     real = dispatch.compile_plan
 

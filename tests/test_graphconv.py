@@ -7,7 +7,7 @@ import torch
 from dgl.nn import GraphConv
 
 from granii import granii
-from granii.dispatch import prepare
+from granii.runtime.bind import prepare
 from graphs import GRAPHS, block, edge_weights
 from plan_check import check_all_plans, state_for
 
@@ -199,6 +199,6 @@ def test_tree_counts_per_configuration():
         for is_block, table in ((False, expected), (True, expected_block)):
             layer = make_layer(4, 3, norm, True, True, None)
             st = state_for(layer)
-            from granii.dispatch import compile_layer as _compile
+            from granii.runtime.variants import compile_layer as _compile
             comp = _compile(layer, frozenset(), is_block)
             assert (comp.n_trees, comp.n_promoted) == table[norm], (norm, is_block)

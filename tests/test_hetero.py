@@ -462,7 +462,9 @@ def test_hetero_graphconv(kind, agg):
 def test_container_tie_break_then_either_path_gives_dgl():
     """After the relations' own decisions, the container times the routed call against DGL's
     forward (forward + backward) and keeps one; both give DGL's outputs and gradients."""
-    from granii.dispatch import ORIGINAL, TRIAL_ROUNDS, dispatcher_of
+    from granii.runtime.dispatch import dispatcher_of
+    from granii.runtime.state import ORIGINAL
+    from granii.runtime.tiebreak import TRIAL_ROUNDS
     g = small_hetero()
     model = HModel("gat", "max")            # max across relations: relation by relation
     ref = copy.deepcopy(model)
@@ -486,7 +488,7 @@ def test_container_tie_break_then_either_path_gives_dgl():
 
 
 def test_container_tie_break_off_when_deterministic():
-    from granii.dispatch import dispatcher_of
+    from granii.runtime.dispatch import dispatcher_of
     g = small_hetero()
     model = HModel("sage", "mean")
     ref = copy.deepcopy(model)
@@ -541,7 +543,9 @@ def test_hetero_falls_back_where_pair_needed():
 
 # -- HeteroGraphConv of GraphConv: one typed product per destination type ---------------------------------
 from granii import hetero_flat  # noqa: E402
-from granii.dispatch import ORIGINAL, TRIAL_ROUNDS, dispatcher_of  # noqa: E402
+from granii.runtime.dispatch import dispatcher_of# noqa: E402
+from granii.runtime.state import ORIGINAL
+from granii.runtime.tiebreak import TRIAL_ROUNDS
 
 
 class RGCNHetero(torch.nn.Module):

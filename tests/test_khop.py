@@ -20,7 +20,8 @@ from torch import nn
 
 import granii
 from granii import enumerate as en
-from granii.dispatch import compile_layer, layer_states
+from granii.runtime.dispatch import layer_states
+from granii.runtime.variants import compile_layer
 from granii.frontend import lower_layer
 from graphs import directed, edge_weights, undirected, zero_in_degree
 from plan_check import check_all_plans, grads

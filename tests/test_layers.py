@@ -68,7 +68,7 @@ def test_gin_tree_counts():
     The paper counts 8 and 4 for GIN: its GIN also folds (1 + eps) I into the adjacency.
     Each promoted plan has a fused variant whose aggregation adds ``(1 + eps) H`` (or its
     product) as each row is written."""
-    from granii.dispatch import compile_layer as _compile
+    from granii.runtime.variants import compile_layer as _compile
     g = GRAPHS["directed"]()
     layer = GINConv(nn.Linear(4, 3), "sum")
     comp = _compile(layer, frozenset(), False, {"graph": g, "feat": torch.randn(40, 4),
@@ -90,7 +90,8 @@ def test_equal_widths_let_both_orders_compete(k_in, k_out, orders):
     scenario keeps one), yet they run at different speeds (GIN's bias and self term fuse into
     the GEMM only when it comes last): both are ranked. Otherwise only the scenario's plans."""
     from granii.costmodel import AnalyticalCost
-    from granii.dispatch import new_state, prepare
+    from granii.runtime.bind import prepare
+    from granii.runtime.state import new_state
     from granii.select import rank
     g = GRAPHS["directed"]()
     layer = GINConv(nn.Linear(k_in, k_out), "sum")
@@ -239,7 +240,7 @@ def test_tagconv(k):
 def test_tagconv_horner_plan_is_promoted():
     """Factoring the hop sum (H W0 + N (H W1 + N H W2)) gives one aggregation per hop at the
     output width; it must survive pruning for k_in >= k_out."""
-    from granii.dispatch import compile_layer as _compile
+    from granii.runtime.variants import compile_layer as _compile
     g = GRAPHS["undirected"]()
     layer = TAGConv(4, 3, k=2)
     comp = _compile(layer, frozenset(), False, {"graph": g, "feat": torch.randn(40, 4),
@@ -254,7 +255,9 @@ def test_products_accumulate_in_place_only_into_fresh_results():
     """Plans that add two products (TAGConv's hops, SAGEConv's self and neighbour terms) add the
     second into the first in place; over repeated calls on the same features (whose
     once-per-input results are reused) the output, the gradients and the features stay DGL's."""
-    from granii.dispatch import new_state, prepare, run_plan
+    from granii.runtime.bind import prepare
+    from granii.runtime.state import new_state
+    from granii.runtime.variants import run_plan
     from granii.plan import plan_code
     from plan_check import grads, impl_choices
     g = GRAPHS["undirected"]()
@@ -313,7 +316,8 @@ def test_gat_heads_reach_the_cost_model():
     """With 4 heads, scores and softmax are priced with 4 values per edge, and the weighted SpMM
     over the heads as one call of the full width (32) in both implementations."""
     import inspect
-    from granii.dispatch import new_state, prepare
+    from granii.runtime.bind import prepare
+    from granii.runtime.state import new_state
     from granii.costmodel import AnalyticalCost
     from granii.select import price
     seen = []
@@ -342,7 +346,8 @@ def test_gat_heads_aggregate_raw_features_on_blocks():
     """With several heads the enumerator also sums the raw features per head and projects each
     head's sum on the destination rows (``spmm_heads -> head_gemm``): derived, not listed, and
     its memory counts a (N_dst, H, k_in) result."""
-    from granii.dispatch import new_state, prepare
+    from granii.runtime.bind import prepare
+    from granii.runtime.state import new_state
     from granii.memory import step_bytes
     b = block()
     layer = GATConv(6, 8, 4, allow_zero_in_degree=True)
@@ -414,7 +419,7 @@ def test_per_head_primitives_use_the_models_fallen_back_to():
 def _sage_on_loader(per_batch, monkeypatch):
     """A 2-layer SAGE over the batches of a neighbour-sampling loader, DGL beside granii;
     returns the states of granii's layers and how many times a layer ranked plans."""
-    import granii.dispatch as api
+    import granii.runtime.decide as api
     ranked = []
     real_rank = api.rank
     monkeypatch.setattr(api, "rank", lambda *a, **k: ranked.append(1) or real_rank(*a, **k))

@@ -643,7 +643,8 @@ def test_training_selection_follows_the_backward_models(model_dir):
     whose measured backward is cheaper, inference does not care."""
     from dgl.nn import GraphConv
 
-    from granii.dispatch import new_state, prepare
+    from granii.runtime.bind import prepare
+    from granii.runtime.state import new_state
     from granii.plan import EVERY, INPUT
     from granii.select import rank
     g = gen.build("uniform:n=500,m=4000,seed=7,undirected=0")
@@ -696,7 +697,8 @@ def test_selection_ranks_graphconv_plans_with_learned_models(model_dir):
 
     from dgl.nn import GraphConv
 
-    from granii.dispatch import new_state, prepare
+    from granii.runtime.bind import prepare
+    from granii.runtime.state import new_state
     from granii.select import rank
     lc = load(model_dir)
     g = gen.build("uniform:n=500,m=4000,seed=7,undirected=0")
@@ -725,7 +727,8 @@ def test_training_prices_a_bias_as_a_column_sum_and_a_packed_gemm_with_its_backw
     its weights through ``pack[i]`` and is still priced with its backward."""
     from dgl.nn import SAGEConv
 
-    from granii.dispatch import new_state, prepare
+    from granii.runtime.bind import prepare
+    from granii.runtime.state import new_state
     from granii.select import price
     g = gen.build("uniform:n=300,m=2000,seed=3,undirected=0")
     layer = SAGEConv(16, 8, "mean")

@@ -158,7 +158,9 @@ def test_fused_plan_with_attention_dropout_draws_dgls_mask(edge_weight):
     """GATConv in training with feature and attention dropout: the fused plan (``gat_aggregate``
     with the dropout mask drawn on ones) gives DGL's output and gradients under the same seed,
     with every implementation of the fused step, on three seeds in a row."""
-    from granii.dispatch import new_state, prepare, run_plan
+    from granii.runtime.bind import prepare
+    from granii.runtime.state import new_state
+    from granii.runtime.variants import run_plan
     from granii.plan import step_impls
     g = _random()
     torch.manual_seed(0)

@@ -16,7 +16,8 @@ import torch
 from dgl.nn import GATConv, GINConv, GraphConv, SAGEConv, SGConv, TAGConv
 from torch import nn
 
-from granii import dispatch, granii
+from granii import granii
+from granii.runtime import decide, dispatch, fastpath, reuse, tiebreak
 from granii.api import layer_states
 from granii.graph import _INFOS, edge_list_csc, graph_info
 
@@ -53,12 +54,12 @@ def twin(g):
 def rankings(monkeypatch):
     """How many times a layer ranked its plans (``select.rank`` as the dispatcher calls it)."""
     count = [0]
-    real = dispatch.rank
+    real = decide.rank
 
     def counted(*args, **kwargs):
         count[0] += 1
         return real(*args, **kwargs)
-    monkeypatch.setattr(dispatch, "rank", counted)
+    monkeypatch.setattr(decide, "rank", counted)
     return count
 
 
@@ -118,12 +119,12 @@ def test_the_tie_break_runs_across_new_graphs_and_its_verdict_serves_the_class(r
     st = layer_states(layer)[0]
     [records] = list(st.classes.values())
     [record] = records
-    assert isinstance(record["decision"], dispatch.Trial)
+    assert isinstance(record["decision"], tiebreak.Trial)
     for i in range(40):
         g = new_graph(10 + i, loops=True)
         layer(g, torch.randn(g.num_nodes(), K)).sum().backward()
     kept = record["decision"]
-    assert not isinstance(kept, dispatch.Trial), "the trial should be over after 40 graphs"
+    assert not isinstance(kept, tiebreak.Trial), "the trial should be over after 40 graphs"
     assert st.tuned is not None and st.tuned[1] == kept[0]
     g = new_graph(99, loops=True)
     reused = st.class_reused
@@ -186,7 +187,7 @@ def _settled(layer, training, calls=120):
         # the classes of this mode (training: gradients to the features too, new each call)
         records = [r for key, rs in st.classes.items()
                    if key[-5:-2] == (training, training, False) for r in rs]
-        if i >= 10 and not any(isinstance(r["decision"], dispatch.Trial) for r in records):
+        if i >= 10 and not any(isinstance(r["decision"], tiebreak.Trial) for r in records):
             return i
     raise AssertionError("the tie-breaks did not end")
 
@@ -245,10 +246,10 @@ def test_a_graph_called_often_gets_its_own_fast_path():
     g = new_graph(900, loops=True)
     x = torch.randn(300, K)
     with torch.no_grad():
-        for _ in range(dispatch._FAST_AFTER + 2):
+        for _ in range(fastpath._FAST_AFTER + 2):
             layer(g, x.clone())
     table = st.fast[graph_info(g)]
-    assert any(k is not dispatch._SEEN for k in table)
+    assert any(k is not fastpath._SEEN for k in table)
 
 
 @pytest.mark.parametrize("idtype", [torch.int32, torch.int64])
@@ -350,5 +351,5 @@ def test_memory_stays_flat_over_many_new_graphs():
     assert grown < 256 * 1024, f"{grown} bytes more after 1000 new graphs"
     assert len(_INFOS) < 20
     assert len(st.decisions) < 20 and len(st.fast) < 20
-    assert len(st.verified) <= dispatch._VERIFIED_KEPT
+    assert len(st.verified) <= reuse._VERIFIED_KEPT
     assert st.ranked <= 3

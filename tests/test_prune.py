@@ -110,7 +110,8 @@ def test_a_bias_added_after_the_aggregation_is_priced_as_a_pass():
     scaling of that size); written by the fused SpMM's epilogue it costs nothing extra."""
     import torch
     from dgl.nn import GraphConv
-    from granii.dispatch import new_state, prepare
+    from granii.runtime.bind import prepare
+    from granii.runtime.state import new_state
     from granii.select import price
     from graphs import undirected
 
@@ -141,7 +142,8 @@ def test_scale_free_native_spmm_norm_is_priced_as_the_spmm_it_runs():
     import pytest
     import torch
     from dgl.nn import GraphConv, SAGEConv
-    from granii.dispatch import new_state, prepare
+    from granii.runtime.bind import prepare
+    from granii.runtime.state import new_state
     from granii.kernels import native
     from granii.select import price
     from graphs import undirected

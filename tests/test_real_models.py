@@ -24,7 +24,7 @@ from torch import nn
 
 from granii import granii
 from granii.api import layer_states
-from granii.dispatch import ORIGINAL
+from granii.runtime.state import ORIGINAL
 from graphs import directed, edge_weights, undirected, zero_in_degree
 import models
 from models import CASES, CASES_BY_NAME, of_optimized_kind

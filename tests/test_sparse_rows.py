@@ -13,7 +13,7 @@ import torch
 from granii import explain, granii
 from granii.costmodel import PRICED_AS
 from granii.datasets import load_planetoid
-from granii.dispatch import layer_states
+from granii.runtime.dispatch import layer_states
 from granii.kernels import get, implementations, sparse_rows
 from granii.plan import GRAPH
 import models

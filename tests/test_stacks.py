@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import granii.enumerate as en
 from granii import ir
 from granii.costmodel import AnalyticalCost
-from granii.dispatch import leaf_vals_order
+from granii.runtime.variants import leaf_vals_order
 from granii.fingerprint import machine_fingerprint
 from granii.graph import graph_info
 from granii.kernels import extension, get, implementations, native
@@ -58,7 +58,7 @@ def test_granii_imports_with_dgl_blocked():
     """``import granii`` and its kernels load nothing of DGL; the torch kernels are registered."""
     out = run_without_dgl("""
         import granii
-        from granii import api, dispatch, enumerate, explain, prune, plan, select, costmodel
+        from granii import api, runtime, enumerate, explain, prune, plan, select, costmodel
         from granii import learned, fingerprint, featurize
         from granii.kernels import REGISTRY
         assert not any(m == "dgl" or m.startswith("dgl.") for m in sys.modules), "dgl loaded"

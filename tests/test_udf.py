@@ -21,7 +21,8 @@ from torch import nn
 
 from granii import granii
 from granii.api import layer_states
-from granii.dispatch import new_state, prepare
+from granii.runtime.bind import prepare
+from granii.runtime.state import new_state
 from granii.frontend import lower_layer
 from graphs import GRAPHS, edge_weights
 from plan_check import check_all_plans
@@ -743,7 +744,7 @@ def test_transposed_weight_in_user_code_is_lowered():
     """``x @ self.lin.weight.t() + self.lin.bias`` with the degree scaling in UDFs (the GCN of
     ``bench.udf``): optimized, and DGL's outputs and gradients over two seeded training calls."""
     from bench.udf import GCNByUDF
-    from granii.dispatch import layer_states
+    from granii.runtime.dispatch import layer_states
     g = dgl.add_self_loop(dgl.rand_graph(60, 240))
     torch.manual_seed(0)
     ref = GCNByUDF(8, 4)

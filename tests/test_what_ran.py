@@ -14,7 +14,7 @@ from torch import nn
 
 from granii import granii
 from granii.api import layer_states, what_ran
-from granii.dispatch import AUTOCAST, ORIGINAL
+from granii.runtime.state import AUTOCAST, ORIGINAL
 
 TURN = "a turn of the measured tie-break"
 
@@ -151,7 +151,7 @@ def test_a_saved_decision_of_the_original_forward_is_recorded_as_the_original():
 def test_the_fast_path_records_the_plan_it_runs(monkeypatch):
     """Calls that take the fast path (no binding, no lookup) record the plan they run, as the
     normal path's call did."""
-    import granii.dispatch as dispatch
+    from granii.runtime import dispatch, fastpath
     g = _graph()
     x = _features(g)
     torch.manual_seed(0)
@@ -161,7 +161,7 @@ def test_the_fast_path_records_the_plan_it_runs(monkeypatch):
     real = dispatch._dispatch
     monkeypatch.setattr(dispatch, "_dispatch", lambda st, *a: normal.append(st.name) or real(st, *a))
     labels = []
-    for _ in range(dispatch._FAST_AFTER + 3):     # the fast path is built after a few calls
+    for _ in range(fastpath._FAST_AFTER + 3):     # the fast path is built after a few calls
         normal.clear()
         with torch.no_grad():
             model(g, x)

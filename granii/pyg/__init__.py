@@ -70,7 +70,7 @@ def unsupported_input(values, feat, graph):
 def compile_pyg(layer, values):
     """``(PygIR, Compiled)`` of ``layer`` for the call signature of ``values``; raises
     ``FrontendError`` (or ``RaisesForConfig``) when the forward is not lowered."""
-    from ..dispatch import compiled
+    from ..runtime.variants import compiled
     names = list(values)
     kind = input_kind(values[names[1]])
     pir = lower_pyg(layer, values, kind)
@@ -96,7 +96,8 @@ class Prepared:
 def bind_call(layer, pir, compiled, values, state=None):
     """The core's ``Call`` of a PyG call: the graph the propagates run on (self loops added as
     the code adds them), the per-edge values computed, leaves bound and sizes checked."""
-    from ..dispatch import Call, _bind, new_state
+    from ..runtime.bind import Call, _bind
+    from ..runtime.state import new_state
     from .bind import edge_values
     x = values[pir.feat]
     base = index_graph(values[pir.graph], x.shape[0])
@@ -187,7 +188,7 @@ def plan_choices(prepared):
 def run(prepared, plan=None, impls=None):
     """Run ``plan`` (default: the first promoted plan that runs here) with kernel
     implementations ``impls`` (default: each step's first) on the prepared call."""
-    from ..dispatch import run_plan
+    from ..runtime.variants import run_plan
     call = prepared.call
     if edge_grad(call):             # values computed from an argument: a graph per run
         call = bind_call(prepared.layer, prepared.pir, prepared.compiled, prepared.values)
@@ -211,7 +212,8 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
     string (the reason) when the original forward must run. Compiled variants are kept in
     ``state.compiled`` per call signature (which arguments are tensors, the graph input's kind,
     plain arguments) and reused while the configuration they read holds."""
-    from ..dispatch import _holds, _repeats, input_identity
+    from ..runtime.bind import _repeats, input_identity
+    from ..runtime.variants import _holds
     values = bind_values(module, args, kwargs)
     names = list(values)
     feat, graph = names[0], names[1]
@@ -237,7 +239,7 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
         except (FrontendError, RaisesForConfig) as e:
             found = e
         except Exception as e:        # noqa: BLE001 - whatever fails, the original forward runs
-            from ..dispatch import _failure
+            from ..runtime.variants import _failure
             found = _failure("the PyG frontend", e)
         variants.append(found)
     if isinstance(found, Exception):
@@ -257,7 +259,7 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
 
 
 def _register():
-    from ..dispatch import CALL_BINDERS, is_pyg_layer as claims
+    from ..runtime.state import CALL_BINDERS, is_pyg_layer as claims
     if all(c is not claims for c, _ in CALL_BINDERS):
         CALL_BINDERS.append((claims, prepare_call))
 

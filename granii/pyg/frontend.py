@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from .. import ir
-from ..dispatch import is_pyg_layer
+from ..runtime.state import is_pyg_layer
 from . import kernels  # noqa: F401  (registers spmm_amax)
 from ..frontend import LayerIR, _check_complete
 from ..frontend import rules, udf

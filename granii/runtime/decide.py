@@ -1,0 +1,111 @@
+"""Deciding one call: rank the promoted plans with the cost model (within the memory limit),
+compile the winner, or start a measured tie-break among the close ones."""
+import torch
+
+from ..memory import plan_memory
+from ..plan import compile_plan
+from ..select import rank, trial_candidates
+from .state import ORIGINAL
+from .tiebreak import Trial
+from .variants import leaf_vals_order
+
+
+def decision_key(call):
+    """What a saved decision is looked up by: signature, sizes and mode (no object identities)."""
+    present, is_block, config = call.key[1:]
+    return repr((sorted(present), is_block, config, sorted(call.symbols.items()),
+                 call.training, call.input_grad, call.input_repeats))
+
+
+def decide(state, options, call):
+    """Rank the promoted plans for this call and compile the cheapest: ``(label, fn, leaf order)``;
+    or a ``Trial`` when many calls follow and tuning is on (``granii(..., tune=True)``); or the
+    decision given by ``granii(..., decisions=...)`` for this call, without ranking."""
+    dk = decision_key(call)
+    preset = (options.decisions or {}).get(state.name, {}).get(dk)
+    if preset is not None:
+        return _preset(state, call, dk, preset)
+    decided = _decide(state, options, call)
+    kept = decided.candidates[0] if isinstance(decided, Trial) else decided
+    state.chosen[dk] = _describe(kept, call)
+    return decided
+
+
+def _plan_part(label):
+    """``[i]`` of a trial label ``[i]`` or ``[i] impl/impl..`` (a plan's implementation
+    variant)."""
+    return label.split(" ")[0]
+
+
+def _describe(decision, call):
+    label = decision[0]
+    if label == ORIGINAL:
+        return {"plan": ORIGINAL}
+    plan = next(p for p in call.compiled.plans if f"[{p.index}]" == _plan_part(label))
+    return {"plan": str(plan.index), "impls": list(decision[3]) if len(decision) > 3 else None,
+            "composition": plan.composition()}
+
+
+def _preset(state, call, dk, preset):
+    if preset["plan"] == ORIGINAL:
+        return (ORIGINAL, None, None)
+    plan = next((p for p in call.compiled.plans if str(p.index) == preset["plan"]), None)
+    if plan is None or preset.get("impls") is None:
+        raise ValueError(f"granii: the saved decision for layer '{state.name}' names plan "
+                         f"{preset['plan']}, which this version of granii does not have for "
+                         "this call: decide again (leave out decisions=)")
+    try:
+        fn, _ = compile_plan(plan, tuple(preset["impls"]))
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"granii: the saved decision for layer '{state.name}' names kernels "
+                         f"{list(preset['impls'])} that this version of granii does not have for "
+                         f"plan {plan.index}: decide again (leave out decisions=)") from None
+    state.chosen[dk] = preset
+    return (f"[{plan.index}]", fn, leaf_vals_order(plan), tuple(preset["impls"]))
+
+
+def _decide(state, options, call):
+    model = options.model()
+    state.ranked += 1
+    calls = 1 if call.gi.is_block else options.expected_calls
+    ranking = rank(call.compiled.plans, call.gi, call.symbols, model, call.training,
+                   call.input_grad, calls, call.input_repeats)
+    if options.memory_limit is not None:
+        ranking = within_memory(ranking, call.symbols, options.memory_limit)
+    best = ranking[0]
+    fn, code = compile_plan(best.plan, best.impls)
+    state.last = (call.symbols, ranking, best, code, call.training,
+                  getattr(model, "name", type(model).__name__))
+    chosen = (f"[{best.plan.index}]", fn, leaf_vals_order(best.plan), best.impls)
+    if not _tuning(options, call):
+        return chosen
+    cands = [chosen]
+    for c in trial_candidates(ranking)[1:]:
+        f, _ = compile_plan(c.plan, c.impls)
+        label = f"[{c.plan.index}]"
+        if any(label == _plan_part(lb) for lb, *_ in cands):     # another implementation
+            label += " " + "/".join(i for i in c.impls if i != "inline")
+        cands.append((label, f, leaf_vals_order(c.plan), c.impls))
+    # DGL runs Python message and reduce functions once per degree bucket: timing that forward
+    # would cost several calls at many times a plan's time, and it never wins
+    if not getattr(call.compiled.layer_ir, "udfs", ()):
+        cands.append((ORIGINAL, None, None))
+    # each sampled block is new, so a candidate's first call on one is like its later calls
+    return Trial(cands, warm=0 if call.gi.is_block else 1) if len(cands) > 1 else chosen
+
+
+def within_memory(ranking, symbols, limit):
+    """The choices whose predicted peak extra memory (``memory.plan_memory``) is at most
+    ``limit`` bytes, cheapest first; if none is, the one that needs the least."""
+    peak = {id(c): sum(plan_memory(c.plan, symbols)) for c in ranking}
+    ok = [c for c in ranking if peak[id(c)] <= limit]
+    return ok or [min(ranking, key=lambda c: peak[id(c)])]
+
+
+def _tuning(options, call):
+    """A measured tie-break is worth its calls: many calls follow (on sampled blocks, the later
+    blocks of the same sampler configuration, unless each block decides on its own)."""
+    if call.gi.is_block and options.per_batch:
+        return False
+    return (options.tune and options.expected_calls > 1
+            and not torch.are_deterministic_algorithms_enabled())

@@ -1,0 +1,207 @@
+"""The measured tie-break among close candidates (``Trial``), the backward clock that times a
+training call's backward, and how turns on graphs of different sizes compare."""
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .state import ORIGINAL, _INSPECTING
+
+
+TRIAL_ROUNDS = 3         # timed calls per candidate, after one untimed call each
+TRIAL_DROP = 1.5         # a candidate whose fastest timed call is this much slower is dropped
+TRIAL_DROP_ONE = 2.0     # ... on sampled blocks, while a candidate has only one timed call
+TRIAL_FIRST_DROP = 4.0   # ... or whose untimed first call is this much slower than a timed one
+TRIAL_FIRST_EXCESS = 0.001  # ... and by this many seconds (beyond timer noise)
+ORIGINAL_MARGIN = 0.05   # a plan is kept over the layer's own forward when this much faster
+
+
+@dataclass
+class Trial:
+    """A measured tie-break (like cuDNN's benchmark mode): the best predicted plan, the next one
+    when predicted within ``TRIAL_MARGIN`` of it, the best plan with another implementation of a
+    graph kernel when predicted within that margin too (``select.trial_candidates``), and the
+    layer's original forward take turns on the first calls of a decision (each call returns the
+    same result); after one untimed and ``TRIAL_ROUNDS`` timed calls each, the one with the
+    fastest median time is kept: the forward, and in training the forward and the layer's
+    backward (``BackwardClock``), recorded when the next call comes.
+    So a wrong prediction costs at most those calls, and granii is never kept slower than DGL's
+    own layer as measured. A candidate whose fastest timed call is more than ``TRIAL_DROP``
+    times the fastest timed call of another leaves the trial at once (``drop_slow``): a plan
+    priced far too low (a per-head plan predicted at 43 ms ran 160 ms in training on a PubMed
+    block) then costs two calls, not four (on sampled blocks, one when ``TRIAL_DROP_ONE`` times
+    slower). One whose untimed first call alone exceeds
+    ``TRIAL_FIRST_DROP`` times another's fastest timed call, and by ``TRIAL_FIRST_EXCESS``
+    seconds, leaves before its timed call: DGL's GATConv on GitHub at 32 -> 128, 53 ms a call
+    beside a 4 ms plan, then runs once, not twice (its second call was a tenth of the first 100
+    calls' time). The factor leaves room for a first call's warm-up (DGL's first call on a graph
+    builds its sparse formats): across the 162 single-layer configurations of the benchmark,
+    DGL's first call on a new graph took at most 3.05x its later calls (GraphConv, GitHub,
+    32 -> 32), so the layer's own forward is not dropped for a slow first call when it would
+    have been the fastest.
+
+    On sampled blocks the candidates take turns on successive blocks of one sampler
+    configuration, whose sizes differ: each time is divided by the block's size
+    ``E + N_src + N_dst`` (``block_scale``), so the medians compare time per unit of work; the
+    kept decision then serves the later blocks (``homes``: where it is stored besides the block's
+    own table). There no call is left untimed (``warm=0``): the first call on a graph builds
+    what later calls on it reuse, and on blocks used once every call does that, so a candidate's
+    first call is one of its ``TRIAL_ROUNDS``; the trial then costs a call less per candidate."""
+    candidates: list
+    warm: int = 1                                 # untimed first calls per candidate
+    times: dict = field(default_factory=dict)
+    turn: int = 0
+    homes: list = field(default_factory=list)     # [(dict, key)] that get the kept decision
+    pending: list = field(default_factory=list)   # [(label, forward seconds, BackwardClock)]
+    dropped: list = field(default_factory=list)   # candidates ``drop_slow`` took out
+
+    def next(self):
+        if _INSPECTING[0]:           # ``granii(...)``'s own run is no turn: the predicted best
+            return self.candidates[0]
+        c = self.candidates[self.turn % len(self.candidates)]
+        self.turn += 1
+        return c
+
+    def record(self, label, seconds):
+        if not _INSPECTING[0]:
+            self.times.setdefault(label, []).append(seconds)
+
+    def await_backward(self, label, seconds, clock):
+        """Record this call (``seconds`` of forward) when its backward has run (``collect``);
+        not the calls of ``granii(...)``'s own run, which no backward follows."""
+        if _INSPECTING[0]:
+            clock.remove()
+        else:
+            self.pending.append((label, seconds, clock))
+
+    def collect(self):
+        """Record the calls whose backward was awaited: forward + backward seconds (the
+        forward alone when no backward ran)."""
+        for label, forward, clock in self.pending:
+            clock.remove()
+            self.record(label, forward + (clock.seconds() or 0.0))
+        self.pending.clear()
+
+    def settled(self):
+        return all(len(self.times.get(c[0], ())) >= self.warm + TRIAL_ROUNDS
+                   for c in self.candidates)
+
+    def done(self):
+        """Every candidate timed enough, or one left (the others raised or were dropped)."""
+        return self.settled() or len(self.candidates) == 1
+
+    def close(self):
+        """Forget the calls whose backward was awaited: their hooks leave the parameters."""
+        for _, _, clock in self.pending:
+            clock.remove()
+        self.pending.clear()
+
+    def drop_slow(self):
+        """Take out the candidates whose fastest timed call (after the untimed first, if any)
+        exceeds ``TRIAL_DROP`` times another's fastest, once each has two calls; before that, those
+        whose untimed first call exceeds ``TRIAL_FIRST_DROP`` times another's fastest timed
+        call and by ``TRIAL_FIRST_EXCESS`` seconds. On sampled blocks (no untimed call) a
+        candidate leaves after its first call when that is over ``TRIAL_DROP_ONE`` times
+        another's: one time each, on blocks of their own, asks for the wider margin."""
+        best = {c[0]: min(self.times[c[0]][self.warm:]) for c in self.candidates
+                if len(self.times.get(c[0], ())) > self.warm}
+        if not best:
+            return
+        slow = []
+        for c in self.candidates:
+            ts = self.times.get(c[0], ())
+            others = [t for label, t in best.items() if label != c[0]]
+            if (len(ts) == 1 and others and ts[0] > TRIAL_FIRST_DROP * min(others)
+                    and ts[0] - min(others) > TRIAL_FIRST_EXCESS):
+                slow.append(c)
+        if len(best) == len(self.candidates) and len(best) >= 2:
+            floor = min(best.values())
+            once = self.warm == 0 and any(len(self.times[c[0]]) == 1 for c in self.candidates)
+            factor = TRIAL_DROP_ONE if once else TRIAL_DROP
+            slow += [c for c in self.candidates if best[c[0]] > factor * floor]
+        self.dropped += slow
+        self.candidates = [c for c in self.candidates if c not in slow]
+
+    def medians(self):
+        timed = {label: ts[self.warm:] or ts for label, ts in self.times.items() if ts}
+        return {label: sorted(ts)[len(ts) // 2] for label, ts in timed.items()}
+
+    def winner(self):
+        """The fastest median; but a plan replaces the layer's own forward only when it beat it
+        by ``ORIGINAL_MARGIN``: a few timed calls of a large layer carry several percent of
+        noise (and the original's first calls build DGL's formats), and a plan kept by noise
+        would be slower than DGL on every later call."""
+        med = self.medians()
+        timed = [c for c in self.candidates if c[0] in med]
+        if not timed:
+            return self.candidates[0]
+        best = min(timed, key=lambda c: med[c[0]])
+        original = next((c for c in timed if c[0] == ORIGINAL), None)
+        if original is not None and med[best[0]] > (1 - ORIGINAL_MARGIN) * med[ORIGINAL]:
+            return original
+        return best
+
+    def report(self):
+        med = self.medians()
+        return [(c[0], med[c[0]]) for c in self.candidates + self.dropped if c[0] in med]
+
+
+class BackwardClock:
+    """The seconds of one layer call's backward: from its output's gradient to the last
+    gradient of its inputs and parameters, read by tensor hooks that are removed once read
+    (sequential models run a layer's backward in one stretch). Divided by ``scale``."""
+
+    def __init__(self, out, tensors, scale):
+        self.start = self.end = None
+        self.scale = scale
+        self.handles = [out.register_hook(self._start)]
+        self.handles += [t.register_hook(self._stop) for t in tensors]
+
+    @classmethod
+    def of(cls, out, layer, args, scale):
+        """A clock for ``out`` when a backward through it can follow, else ``None``."""
+        if not (isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled()):
+            return None
+        tensors = [p for p in layer.parameters() if p.requires_grad]
+        tensors += [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        return cls(out, tensors, scale) if tensors else None
+
+    def _start(self, grad):
+        self.start = time.perf_counter()
+
+    def _stop(self, grad):
+        self.end = time.perf_counter()
+
+    def seconds(self):
+        if self.start is None or self.end is None or self.end < self.start:
+            return None
+        return (self.end - self.start) / self.scale
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def block_scale(call):
+    """The size a trial time on a sampled block is divided by (1 on whole graphs)."""
+    if not call.gi.is_block:
+        return 1.0
+    s = call.symbols
+    return float(max(s.get("E", 0) + s.get("N_src", 0) + s.get("N_dst", 0), 1))
+
+
+def _graph_work(call):
+    s = call.symbols
+    return float(max(s.get("E", 0) + s.get("N", 0) + s.get("N_src", 0) + s.get("N_dst", 0), 1))
+
+
+def _trial_scale(trial, call):
+    """What a tie-break's time of this call is divided by: the block's size on sampled blocks
+    (``block_scale``); on a whole graph the ratio of its work to that of the graph whose class
+    the trial decides for (1 on that graph itself), so the turns taken on a class's graphs of
+    different sizes compare."""
+    if call.gi.is_block:
+        return block_scale(call)
+    size = next((home["size"] for home, key in trial.homes if key == "decision"), None)
+    return 1.0 if size is None else _graph_work(call) / size

@@ -126,9 +126,14 @@ def test_user_khop_layer_with_edge_weights_equals_dgl():
 
 
 @pytest.mark.parametrize("k", [8, 10])
-def test_tagconv_from_eight_hops_is_optimized(k):
+def test_tagconv_from_eight_hops_is_optimized(k, monkeypatch):
     """TAGConv used to fall back from 8 hops; now its forms (stacked, split, Horner) are
-    enumerated in bounded time and every promoted plan equals DGL's layer."""
+    enumerated in bounded time and every promoted plan equals DGL's layer. (At k = 10 the
+    enumeration takes 0.2-0.3 s of CPU, within the 0.5 s decision budget on a quiet machine but
+    not always under load: the budget is raised here, where the forms are what is tested.)"""
+    from granii.runtime import variants
+    monkeypatch.setenv("GRANII_DECISION_BUDGET", "5")
+    monkeypatch.setattr(variants, "_ENUMERATED", {})     # not a result an earlier test cut short
     g = undirected(40, 160)
     x = torch.randn(g.num_nodes(), 6)
     model = _same_as_dgl(lambda: TAGConv(6, 3, k=k), g, (x,), train=True)

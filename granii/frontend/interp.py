@@ -96,6 +96,7 @@ class Interpreter:
         self.sites = 0            # calls of functions so far (``rules.apply``)
         self.where = None         # the user-defined function being read, None in forward
         self.udfs = []            # message, reduce and apply-edges functions read (by role)
+        self.inlined = {}         # id(submodule) -> its dotted path, while its forward is read
 
     # -- entry -------------------------------------------------------------------------------
     def run(self, bound):
@@ -305,6 +306,8 @@ class Interpreter:
         obj = self.eval(e.value)
         if obj is self.module:
             return rules.module_attr(self, e.attr)
+        if id(obj) in self.inlined:      # ``self.x`` in a submodule's forward read inline
+            return rules.module_attr(self, f"{self.inlined[id(obj)]}.{e.attr}")
         if isinstance(obj, _SYMBOLIC):
             return rules.symbolic_attr(self, obj, e.attr, e)
         if isinstance(obj, torch.nn.Module) and isinstance(obj._parameters.get(e.attr),
@@ -392,6 +395,16 @@ class Interpreter:
         if isinstance(func, Method):
             return rules.call_method(self, func, args, kwargs, e)
         return rules.call_function(self, func, args, kwargs, e)
+
+    def snapshot(self):
+        """What reading a piece of code may add to, to undo it when that piece is not lowered
+        (``restore``): the checks, branches, configuration, leaves and functions read."""
+        return (list(self.guards), list(self.spec), dict(self.config), dict(self.leaves),
+                list(self.udfs), self.heads, self.sites)
+
+    def restore(self, snap):
+        (self.guards, self.spec, self.config, self.leaves, self.udfs, self.heads,
+         self.sites) = snap
 
     # -- leaves ------------------------------------------------------------------------------
     def leaf(self, name, rows, cols, kind, sub, source, transposed=False):

@@ -30,8 +30,9 @@ from .. import ir
 from . import udf
 from .ops import (_SAME_VALUE_METHODS, _U, _frame_tensor, _known_pure, apply, edge_node, fail,
                   frame_get, linear, matmul, param_leaf, row_broadcast, scale)
-from .values import (UDF_VALUES, Degrees, Edges, Frame, Graph, GraphCondition, HeadProduct,
-                     LocalScope, Method, ParamItem, RaisesForConfig, Scalar, Shape, Tensor)
+from .values import (UDF_VALUES, Degrees, Edges, Frame, FrontendError, Graph, GraphCondition,
+                     HeadProduct, LocalScope, Method, ParamItem, RaisesForConfig, Scalar, Shape,
+                     Tensor)
 
 _GRAPH_SCALARS = {"num_edges", "num_nodes", "number_of_edges", "number_of_nodes",
                   "num_src_nodes", "num_dst_nodes", "number_of_src_nodes", "number_of_dst_nodes"}
@@ -674,6 +675,11 @@ def call_function(it, func, args, kwargs, node):
         return args[0]
     if func is torch.nn.functional.dropout and isinstance(args[0], Tensor):
         return functional_dropout(it, args, kwargs, node)
+    if isinstance(func, nn.Module) and len(args) == 1 and isinstance(args[0], Tensor) \
+            and not kwargs:
+        inlined = inline_submodule(it, func, args[0], node)
+        if inlined is not None:
+            return inlined
     if callable(func) and len(args) == 1 and isinstance(args[0], Tensor) and not kwargs:
         label, ref = _callable_ref(it, func)
         pure = ref[0] in ("function", "attr") and _known_pure(func)
@@ -724,6 +730,48 @@ def expand_as_pair(it, feat, graph, node):
     dst = it.leaf(feat.node.name + "_dst", it.n_dst, feat.node.cols, ir.DENSE, ir.DATA,
                   ("arg_dst", feat.node.source[1]))
     return feat, Tensor(dst, feat.ndim)
+
+
+def inline_submodule(it, module, x, node):
+    """``module(x)`` for a submodule of the layer from the user's code, read as its forward:
+    ``GINConv``'s ``apply_func`` is an MLP whose first step is a linear map, and read inline
+    ``MLP(A' H) = lin2(relu(norm((A' H) W1)))`` re-associates to ``A' (H W1)``: the aggregation
+    at the hidden width instead of the input's. Its ``self.x`` reads are the layer's
+    ``path.x`` (``module_attr``: what the plan assumes of them is checked as for the layer's
+    own). ``None``, with nothing of the attempt kept, when the call must stay one ``Apply``:
+    a module of a library (torch's own are lowered by their rules), one with hooks or its own
+    ``__call__``, or a forward the frontend does not lower."""
+    cls = type(module)
+    path = _module_path(it, module)
+    if (path is None or id(module) in it.inlined or not udf._own_code(cls.forward)
+            or cls.__call__ is not nn.Module.__call__ or _has_hooks(module)):
+        return None
+    snap = it.snapshot()
+    it.inlined[id(module)] = path
+    try:
+        fn = udf.user_function(module.forward, node, "submodule")
+        out = it.call_user(fn, [x], {}, f"{path}:{cls.__name__}", node)
+    except (FrontendError, RaisesForConfig):
+        out = None
+    finally:
+        del it.inlined[id(module)]
+    if not isinstance(out, Tensor) or out.ndim != 2:
+        it.restore(snap)
+        return None
+    it.config[path] = config_summary(module)
+    return out
+
+
+def _has_hooks(module):
+    """Hooks that a call of ``module`` would run (its own or every module's)."""
+    from torch.nn.modules import module as nn_module
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+           getattr(module, "_backward_pre_hooks", {}))
+    every = (getattr(nn_module, "_global_forward_hooks", {}),
+             getattr(nn_module, "_global_forward_pre_hooks", {}),
+             getattr(nn_module, "_global_backward_hooks", {}),
+             getattr(nn_module, "_global_backward_pre_hooks", {}))
+    return any(len(h) for h in own + every)
 
 
 def _module_path(it, mod):

@@ -176,6 +176,7 @@ class GatFn(torch.autograd.Function):
         b = None if bias is None else bias.reshape(-1).contiguous()
         out, lse = gat_forward_csr(graph, el, er, feat, w, b, slope)
         ctx.graph, ctx.slope = graph, slope
+        ctx.bias_shape = None if bias is None else bias.shape
         ctx.save_for_backward(el, er, feat, w, b, out, lse)
         return out
 
@@ -190,7 +191,9 @@ class GatFn(torch.autograd.Function):
         dfeat, del_, dx_edge, dw_edge = gat_backward_csr(graph, el, er, feat, w, lse, dout, dsum,
                                                          ctx.slope, need_w)
         der = row_sums(graph.a, dx_edge) if ctx.needs_input_grad[1] else None
-        dbias = dout.sum(dim=0).reshape(-1) if b is not None and ctx.needs_input_grad[4] else None
+        dbias = None
+        if b is not None and ctx.needs_input_grad[4]:
+            dbias = dout.sum(dim=0).reshape(ctx.bias_shape)
         return del_, der, dfeat, dw_edge, dbias, None, None
 
 
@@ -204,7 +207,9 @@ def gat(graph, el, er, feat, slope=0.2, edge_weight=None, bias=None):
     er = er.reshape(graph.num_dst, heads)
     w = None
     if edge_weight is not None:
-        w2 = edge_weight.reshape(graph.num_edges, -1)
+        per_head = edge_weight.numel() != graph.num_edges or (
+            edge_weight.dim() > 1 and edge_weight.shape[1] == heads and heads > 1)
+        w2 = edge_weight.reshape(graph.num_edges, heads if per_head else 1)
         if w2.shape[1] == 1 and heads > 1:
             w2 = w2.expand(graph.num_edges, heads)
         w = graph.to_csr_order(w2)

@@ -117,6 +117,9 @@ class EdgeSoftmaxFn(torch.autograd.Function):
 def edge_softmax(graph, s):
     """Softmax of the edge scores ``s`` (edge order, ``(E,)`` or ``(E, H)``) over each destination's
     in-edges; same shape and order back."""
-    s2 = graph.to_csr_order(s.reshape(graph.num_edges, -1))
+    heads = 1
+    for size in s.shape[1:]:
+        heads *= size
+    s2 = graph.to_csr_order(s.reshape(graph.num_edges, heads))
     a = graph.to_edge_order(EdgeSoftmaxFn.apply(s2, graph))
     return a.reshape(s.shape)

@@ -36,7 +36,7 @@ import triton.language as tl
 from granii.kernels.triton.graph import next_pow2
 from granii.kernels.triton.launch import launch
 
-SEG = 64          # edges per work item of the ``segments`` schedule
+SEG = 64          # edges per work item of the ``segments`` schedule (read at each call)
 
 
 @triton.jit
@@ -254,7 +254,8 @@ def spmm(graph, x, w=None, row_scale=None, col_scale=None, bias=None, residual=N
     x2 = x.reshape(shape[0], -1)
     w2 = None
     if w is not None:
-        w2 = graph.to_csr_order(w.reshape(graph.num_edges, -1))
+        heads = w[0].numel() if w.shape[0] else (w.shape[1] if w.dim() > 1 else 1)
+        w2 = graph.to_csr_order(w.reshape(graph.num_edges, heads))
     if residual is not None:
         residual = residual.reshape(graph.num_dst, -1)
     if bias is not None:

@@ -1,0 +1,516 @@
+"""granii's Triton kernels (``granii/kernels/triton/``) against torch references: SpMM (both
+schedules, every epilogue, weighted, multi-head), SDDMM (dot, add), edge softmax and the fused GAT,
+outputs and gradients (``gradcheck`` in float64, and float32 gradients against the references), on
+small random graphs: directed with duplicate edges and edges in no particular order, rows without
+in-edges, a skewed graph whose hub row is split into several work items, no edges at all.
+
+Without a GPU the kernels run under Triton's interpreter, which must be switched on
+(``TRITON_INTERPRET=1``) before the kernels are defined; so the checks run in child processes
+(this file run as a script, ``--worker``), and the tests here read their results:
+
+* ``static``: loop bounds as compile-time constants, with the interpreter made *strict*: a tensor
+  of one or more dimensions used as a Python integer raises, as with older Triton on numpy >= 2.5
+  ("only 0-dimensional arrays can be converted to Python scalars"). ``test_strict_catches_hazard``
+  shows that the strict interpreter does refuse a loop bound loaded from memory;
+* ``dynamic``: loop bounds read from the CSR (the form compiled for a GPU), on the installed
+  interpreter, which accepts them.
+
+Every launch of the ``static`` run is also compiled ahead of time for an sm_90 GPU with Triton's
+compiler (``test_compiles_for_gpu``): a kernel the interpreter runs but the compiler refuses fails
+here, without a GPU. With ``GRANII_TRITON_DEVICE=cuda`` (``scripts/gpu_check.sh``) the same checks
+run compiled on the GPU, in both loop modes. Skipped where Triton is missing or older than 3.0 (the
+DGL stack's torch 2.1 comes with Triton 2.1).
+"""
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from granii.kernels.triton import available  # noqa: E402
+
+DEVICE = os.environ.get("GRANII_TRITON_DEVICE", "cpu")
+MODES = ("static", "dynamic")
+
+
+# -- graphs and references ------------------------------------------------------------------------
+def random_graph(n, e, zero_in=0, seed=0):
+    """``e`` edges with uniform sources and destinations among the first ``n - zero_in`` nodes
+    (the rest have no in-edges), duplicates allowed, in random order."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, n, (e,), generator=gen)
+    dst = torch.randint(0, max(n - zero_in, 1), (e,), generator=gen) if e else src
+    return src, dst, n
+
+
+def skewed_graph(n, e, seed=0):
+    """Destinations ``floor(n u^3)``: node 0 gets about ``e n^(-1/3)`` in-edges (its row is split
+    into several work items: the worker sets the schedule's ``SEG`` to 8), many nodes none."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, n, (e,), generator=gen)
+    dst = (n * torch.rand(e, generator=gen) ** 3).long().clamp(max=n - 1)
+    return src, dst, n
+
+
+GRAPHS = {
+    "directed": lambda: random_graph(8, 20, zero_in=3, seed=1),
+    "skewed": lambda: skewed_graph(16, 80, seed=2),
+    "empty": lambda: random_graph(5, 0),
+    "one_node_loop": lambda: (torch.tensor([0]), torch.tensor([0]), 1),
+}
+
+
+def build(name, dev, index_dtype=None):
+    from granii.kernels.triton import CsrGraph
+    src, dst, n = GRAPHS[name]()
+    g = CsrGraph.from_coo(src.to(dev), dst.to(dev), n, n, index_dtype=index_dtype)
+    return g, src.to(dev), dst.to(dev), n
+
+
+def dense(src, dst, n, w=None, dtype=torch.float32):
+    """``A_w`` dense ``(n, n)`` (duplicate edges add up); ``w`` ``(E,)``."""
+    a = torch.zeros(n, n, dtype=dtype, device=src.device)
+    vals = torch.ones(src.shape[0], dtype=dtype, device=src.device) if w is None else w
+    return a.index_put((dst, src), vals, accumulate=True)
+
+
+def ref_spmm(src, dst, n, x, w=None, r=None, c=None, bias=None, res=None, relu=False):
+    """The SpMM family by edges: ``act(r * sum_e w_e c[u] X[u] + bias + res)``; ``x``
+    ``(n, H, D)``, ``w`` ``(E, H)`` or None."""
+    xs = x if c is None else x * c.reshape(-1, 1, 1)
+    msg = xs[src] if w is None else xs[src] * w.unsqueeze(-1)
+    y = torch.zeros(n, *x.shape[1:], dtype=x.dtype, device=x.device).index_add(0, dst, msg)
+    y = y.reshape(n, -1)
+    if r is not None:
+        y = y * r.reshape(-1, 1)
+    if bias is not None:
+        y = y + bias
+    if res is not None:
+        y = y + res
+    return torch.relu(y) if relu else y
+
+
+def ref_softmax(dst, n, s):
+    """Edge softmax by edges (``s`` ``(E, H)``)."""
+    m = torch.full((n, s.shape[1]), -torch.inf, dtype=s.dtype, device=s.device)
+    m = m.index_reduce(0, dst, s.detach(), "amax")
+    ex = torch.exp(s - m[dst])
+    den = torch.zeros(n, s.shape[1], dtype=s.dtype, device=s.device).index_add(0, dst, ex)
+    return ex / den[dst]
+
+
+def ref_gat(src, dst, n, el, er, feat, slope, w=None, bias=None):
+    x = el[src] + er[dst]
+    a = ref_softmax(dst, n, torch.nn.functional.leaky_relu(x, slope))
+    if w is not None:
+        a = a * w
+    out = torch.zeros(n, *feat.shape[1:], dtype=feat.dtype, device=feat.device)
+    out = out.index_add(0, dst, a.unsqueeze(-1) * feat[src])
+    return out if bias is None else out + bias.reshape(feat.shape[1:])
+
+
+def close(got, want, what, atol=1e-4, rtol=1e-4):
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def grads(fn, inputs):
+    """Outputs of ``fn(*inputs)`` and the gradients of ``<out, G>`` for a fixed random ``G``."""
+    inputs = [t.detach().clone().requires_grad_(True) if t is not None else None for t in inputs]
+    out = fn(*inputs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7),
+                    dtype=out.dtype).to(out.device)
+    gs = torch.autograd.grad(out, [t for t in inputs if t is not None], g, allow_unused=True)
+    return out.detach(), gs
+
+
+def compare(name, ours, ref, inputs, atol=2e-4, rtol=2e-4):
+    out, gs = grads(ours, inputs)
+    out_r, gs_r = grads(ref, inputs)
+    close(out, out_r, f"{name}: output", atol, rtol)
+    for i, (a, b) in enumerate(zip(gs, gs_r)):
+        if b is None:
+            assert a is None or not a.abs().any(), f"{name}: gradient {i} should be zero"
+            continue
+        close(torch.zeros_like(b) if a is None else a, b, f"{name}: gradient {i}", atol, rtol)
+
+
+def gradcheck(fn, inputs, what):
+    """``torch.autograd.gradcheck`` in float64, fast mode (a few random directions: the
+    interpreter runs each evaluation in Python)."""
+    inputs = [t.detach().double().requires_grad_(True) for t in inputs]
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4,
+                                    fast_mode=True), what
+
+
+# -- the checks (run in the worker) --------------------------------------------------------------
+def check_spmm_plain(dev):
+    """``A X`` with both schedules, every graph, int32 and int64 indices, widths that are not a
+    power of two or span two column blocks."""
+    from granii.kernels.triton import spmm
+    for gname in GRAPHS:
+        for index_dtype in ((torch.int32, torch.int64) if gname == "directed" else (None,)):
+            g, src, dst, n = build(gname, dev, index_dtype)
+            for width in ((1, 5, 130) if gname == "directed" else (5,)):
+                x = torch.randn(n, width, device=dev)
+                want = dense(src, dst, n) @ x
+                for sched in ("rows", "segments", "auto"):
+                    close(spmm(g, x, schedule=sched), want, f"{gname}/{index_dtype}/{width}/{sched}")
+
+
+def check_spmm_fused_grads(dev):
+    """Every epilogue at once, per-head edge values, both schedules: output and the gradients of
+    x, w, row and column scales, bias and residual against the reference (float32)."""
+    from granii.kernels.triton import spmm
+    for gname in ("directed", "skewed", "empty"):
+        g, src, dst, n = build(gname, dev)
+        e = src.shape[0]
+        for heads, dim in ((2, 3),):
+            gen = torch.Generator().manual_seed(3)
+            x = torch.randn(n, heads, dim, generator=gen).to(dev)
+            w = torch.rand(e, heads, generator=gen).to(dev)
+            r = torch.rand(n, generator=gen).to(dev) + 0.5
+            c = torch.rand(n, generator=gen).to(dev) + 0.5
+            bias = torch.randn(heads * dim, generator=gen).to(dev)
+            res = torch.randn(n, heads * dim, generator=gen).to(dev)
+            for sched in ("rows", "segments"):
+                for relu in (False, True):
+                    def ours(x, w, r, c, bias, res):
+                        return spmm(g, x, w, r, c, bias, res, relu=relu,
+                                    schedule=sched).reshape(n, -1)
+
+                    def ref(x, w, r, c, bias, res):
+                        return ref_spmm(src, dst, n, x, w, r, c, bias, res, relu)
+                    compare(f"{gname}/h{heads}/{sched}/relu={relu}", ours, ref,
+                            [x, w, r, c, bias, res])
+            # one weight per edge with a (n, F) x
+            compare(f"{gname}/edge weights", lambda x, w: spmm(g, x, w),
+                    lambda x, w: ref_spmm(src, dst, n, x.unsqueeze(1), w.unsqueeze(1)),
+                    [x.reshape(n, -1), w[:, 0]])
+
+
+def check_spmm_gradcheck(dev):
+    """``gradcheck`` (float64) of the SpMM in all six tensor inputs, per-head edge values: rows on
+    the directed graph, segments on the skewed one (its hub row split into partial sums)."""
+    from granii.kernels.triton import spmm
+    for gname, sched in (("directed", "rows"), ("skewed", "segments")):
+        g, src, dst, n = build(gname, dev)
+        e = src.shape[0]
+        gen = torch.Generator().manual_seed(4)
+        inputs = [torch.randn(n, 2, generator=gen), torch.rand(e, 2, generator=gen),
+                  torch.rand(n, generator=gen), torch.rand(n, generator=gen),
+                  torch.randn(2, generator=gen), torch.randn(n, 2, generator=gen)]
+        gradcheck(lambda x, w, r, c, b, res: spmm(g, x, w, r, c, b, res, schedule=sched),
+                  [t.to(dev) for t in inputs], f"{gname}/{sched}")
+
+
+def check_segments_split_rows(dev):
+    """The skewed graph's hub row is longer than a work item: it is split, its pieces add up
+    atomically, and the finishing pass applies bias, residual and ReLU to it once."""
+    from granii.kernels.triton import spmm
+    from granii.kernels.triton.spmm_kernels import SEG
+    g, src, dst, n = build("skewed", dev)
+    assert g.a.max_len > SEG, "the skewed graph must have a row longer than a work item"
+    split = g.a.segments(SEG)[4]
+    assert split.numel() >= 1 and int(split[0]) == 0
+    x = torch.randn(n, 7, device=dev)
+    bias = torch.randn(7, device=dev)
+    res = torch.randn(n, 7, device=dev)
+    want = ref_spmm(src, dst, n, x.unsqueeze(1), bias=bias, res=res, relu=True)
+    close(spmm(g, x, bias=bias, residual=res, relu=True, schedule="segments"), want, "split rows")
+
+
+def check_sddmm(dev):
+    """Per-head dot products and ``a[u] + b[v]``: outputs in edge order and gradients."""
+    from granii.kernels.triton import sddmm_add, sddmm_dot
+    for gname in ("directed", "skewed", "empty"):
+        g, src, dst, n = build(gname, dev)
+        gen = torch.Generator().manual_seed(5)
+        for heads, dim in ((1, 5), (2, 70)) if gname == "directed" else ((3, 4),):
+            p = torch.randn(n, heads, dim, generator=gen).to(dev)
+            q = torch.randn(n, heads, dim, generator=gen).to(dev)
+            compare(f"{gname}/dot/h{heads}/d{dim}", lambda p, q: sddmm_dot(g, p, q, heads),
+                    lambda p, q: (p[dst] * q[src]).sum(-1), [p, q])
+            a = torch.randn(n, heads, generator=gen).to(dev)
+            b = torch.randn(n, heads, generator=gen).to(dev)
+            compare(f"{gname}/add/h{heads}", lambda a, b: sddmm_add(g, a, b),
+                    lambda a, b: a[src] + b[dst], [a, b])
+        a1 = torch.randn(n, device=dev)
+        close(sddmm_add(g, a1, a1), a1[src] + a1[dst], f"{gname}/add 1-D")
+    g, src, dst, n = build("directed", dev)
+    gen = torch.Generator().manual_seed(6)
+    gradcheck(lambda p, q: sddmm_dot(g, p, q, 2),
+              [torch.randn(n, 2, 3, generator=gen).to(dev),
+               torch.randn(n, 2, 3, generator=gen).to(dev)], "sddmm_dot")
+    gradcheck(lambda a, b: sddmm_add(g, a, b),
+              [torch.randn(n, 2, generator=gen).to(dev),
+               torch.randn(n, 2, generator=gen).to(dev)], "sddmm_add")
+
+
+def check_edge_softmax(dev):
+    """Softmax over each destination's in-edges, several heads, a row longer than a block, rows
+    without edges; gradients; ``gradcheck``."""
+    from granii.kernels.triton import edge_softmax
+    for gname in ("directed", "skewed", "empty", "one_node_loop"):
+        g, src, dst, n = build(gname, dev)
+        e = src.shape[0]
+        gen = torch.Generator().manual_seed(8)
+        for heads in (1, 3) if gname == "directed" else (3,):
+            s = (4 * torch.randn(e, heads, generator=gen)).to(dev)
+            compare(f"{gname}/h{heads}", lambda s: edge_softmax(g, s),
+                    lambda s: ref_softmax(dst, n, s), [s])
+        s1 = torch.randn(e, device=dev)
+        close(edge_softmax(g, s1), ref_softmax(dst, n, s1.unsqueeze(1)).reshape(-1), "1-D")
+    g, src, dst, n = build("directed", dev)
+    gradcheck(lambda s: edge_softmax(g, s),
+              [torch.randn(src.shape[0], 2, generator=torch.Generator().manual_seed(9)).to(dev)],
+              "edge_softmax")
+
+
+def check_gat(dev):
+    """The fused GAT against scores, leaky ReLU, softmax, weights and aggregation by edges: no
+    weights, one weight an edge, one an edge and head, bias; gradients of all inputs."""
+    from granii.kernels.triton import gat
+    for gname in ("directed", "skewed", "empty", "one_node_loop"):
+        g, src, dst, n = build(gname, dev)
+        e = src.shape[0]
+        gen = torch.Generator().manual_seed(10)
+        for heads, dim in ((1, 4), (3, 5)) if gname == "directed" else ((3, 5),):
+            el = torch.randn(n, heads, generator=gen).to(dev)
+            er = torch.randn(n, heads, generator=gen).to(dev)
+            feat = torch.randn(n, heads, dim, generator=gen).to(dev)
+            bias = torch.randn(heads, dim, generator=gen).to(dev)
+            for wshape in ((None, (e,), (e, heads)) if gname == "directed" else ((e, heads),)):
+                w = None if wshape is None else torch.rand(wshape, generator=gen).to(dev)
+                name = f"{gname}/h{heads}/w{wshape}"
+                compare(name, lambda el, er, feat, w, bias: gat(g, el, er, feat, 0.2, w, bias),
+                        lambda el, er, feat, w, bias: ref_gat(
+                            src, dst, n, el, er, feat, 0.2, w if w is None or w.dim() > 1 else w.unsqueeze(1),
+                            bias),
+                        [el, er, feat, w, bias])
+
+
+def check_gat_gradcheck(dev):
+    """``gradcheck`` (float64) of the fused GAT in ``el``, ``er``, ``feat``, per-head edge weights
+    and the bias."""
+    from granii.kernels.triton import gat
+    g, src, dst, n = build("directed", dev)
+    gen = torch.Generator().manual_seed(11)
+    inputs = [torch.randn(n, 2, generator=gen), torch.randn(n, 2, generator=gen),
+              torch.randn(n, 2, 3, generator=gen), torch.rand(src.shape[0], 2, generator=gen),
+              torch.randn(2, 3, generator=gen)]
+    gradcheck(lambda el, er, f, w, b: gat(g, el, er, f, 0.2, w, b), [t.to(dev) for t in inputs],
+              "gat")
+
+
+def check_graph_index(dev):
+    """The CSR, its transpose and the permutations between edge order and CSR orders."""
+    g, src, dst, n = build("directed", dev)
+    a, at = g.a, g.at
+    e = src.shape[0]
+    assert (a.indptr[1:] >= a.indptr[:-1]).all() and int(a.indptr[-1]) == e
+    rows = a.row_of.long()
+    assert torch.equal(rows, dst[g.eids]) and torch.equal(a.indices.long(), src[g.eids])
+    assert torch.equal(g.eids[g.where], torch.arange(e, device=dev))
+    pos = g.pos.long()
+    assert torch.equal(at.indices.long(), rows[pos]) and torch.equal(at.row_of.long(),
+                                                                   a.indices.long()[pos])
+    assert a.max_len == int(torch.bincount(dst, minlength=n).max())
+    # edges already sorted by destination need no permutation
+    order = torch.argsort(dst, stable=True)
+    from granii.kernels.triton import CsrGraph
+    g2 = CsrGraph.from_coo(src[order], dst[order], n, n)
+    assert g2.eids is None and g2.where is None
+    g3 = CsrGraph.from_csr(g.a.indptr, g.a.indices, n)
+    x = torch.randn(n, 3, device=dev)
+    from granii.kernels.triton import spmm
+    close(spmm(g3, x), dense(src, dst, n) @ x, "from_csr")
+
+
+CHECKS = {name[len("check_"):]: fn for name, fn in list(globals().items())
+          if name.startswith("check_")}
+
+
+# -- the worker ------------------------------------------------------------------------------------
+def _strict_interpreter():
+    """Make the interpreter turn a tensor into a Python integer only from a 0-dimensional array,
+    as numpy >= 2.5 does (older Triton's interpreter converted the loaded 1-element array)."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def index(self):
+        data = self.handle.data
+        if getattr(data, "ndim", 0) != 0:
+            raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
+        return int(data)
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", index)
+
+    interpreter._patch_lang_tensor = patched
+
+
+def _hazard_kernel_fails():
+    """Whether a row sum whose loop bound is loaded from memory fails (the hazard)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rowsum(indptr, vals, out):
+        r = tl.program_id(0)
+        acc = 0.0
+        for j in range(tl.load(indptr + r), tl.load(indptr + r + 1)):
+            acc += tl.load(vals + j)
+        tl.store(out + r, acc)
+
+    out = torch.zeros(2)
+    try:
+        rowsum[(2,)](torch.tensor([0, 2, 3]), torch.ones(3), out)
+    except Exception as ex:       # the interpreter wraps the TypeError
+        return "0-dimensional" in str(ex) or "0-dimensional" in repr(ex.__cause__)
+    return False
+
+
+def worker(mode, dev):
+    import time
+
+    from granii.kernels.triton import spmm_kernels
+    from granii.kernels.triton.launch import recording
+    spmm_kernels.SEG = 8        # the small skewed graph's hub row then spans several work items
+    results = {}
+    if mode == "static" and dev == "cpu":
+        _strict_interpreter()
+        results["strict_catches_hazard"] = None if _hazard_kernel_fails() else \
+            "the strict interpreter ran a loop bound loaded from memory"
+    with recording() as launched:
+        for name, fn in CHECKS.items():
+            t0 = time.perf_counter()
+            try:
+                fn(dev)
+                results[name] = None
+            except Exception:
+                results[name] = traceback.format_exc(limit=6)
+            print(f"{mode} {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return {"results": results, "signatures": sorted(launched)}
+
+
+def _start_worker(mode):
+    env = dict(os.environ, GRANII_TRITON_LOOPS=mode, PYTHONPATH=ROOT,
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", mode, DEVICE],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _result(mode, proc):
+    out, err = proc.communicate(timeout=600)
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"worker ({mode}) failed, rc {proc.returncode}:\n{err[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def _flags(sig):
+    return sum(1 for name, value in sig[3] if value is True)
+
+
+def representative(signatures):
+    """Per kernel and loop form (``BOUND`` 0 or not), the float32 launches with the most and the
+    fewest optional parts (bias, residual, weights, ...): what ``test_compiles_for_gpu`` compiles
+    (every signature would take a minute of CPU)."""
+    groups = {}
+    for sig in signatures:
+        if any(t == "*fp64" for _, t in sig[2]):
+            continue
+        bound = dict(sig[3]).get("BOUND")
+        groups.setdefault((sig[1], bound == 0 if bound is not None else None), []).append(sig)
+    chosen = []
+    for sigs in groups.values():
+        sigs = sorted(sigs, key=lambda s: (_flags(s), json.dumps(s)))
+        chosen.append(sigs[-1])
+        if _flags(sigs[0]) != _flags(sigs[-1]):
+            chosen.append(sigs[0])
+    return chosen
+
+
+def _skip_reason():
+    if not available():
+        try:
+            import triton
+            return f"Triton {triton.__version__} is older than 3.0 (its interpreter is not usable)"
+        except Exception as ex:
+            return f"Triton cannot be imported: {ex}"
+    if DEVICE != "cpu" and not torch.cuda.is_available():
+        return f"GRANII_TRITON_DEVICE={DEVICE} but no CUDA device"
+    return None
+
+
+SKIP = _skip_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Both workers' results (run side by side)."""
+    procs = {mode: _start_worker(mode) for mode in MODES}
+    return {mode: _result(mode, proc) for mode, proc in procs.items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_kernels(runs, mode, check):
+    error = runs[mode]["results"][check]
+    assert error is None, f"{check} ({mode} loop bounds, {DEVICE}):\n{error}"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's hazard is a CPU matter")
+def test_strict_catches_hazard(runs):
+    """The strict interpreter of the ``static`` run refuses what older Triton on numpy >= 2.5
+    refused, so the ``static`` run passing means the kernels avoid it."""
+    error = runs["static"]["results"]["strict_catches_hazard"]
+    assert error is None, error
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="on a GPU the kernels were compiled by running them")
+def test_compiles_for_gpu(runs):
+    """The interpreted checks' launches (``representative``) compile for sm_90 (PTX and cubin):
+    every kernel in both loop forms."""
+    sigs = representative(runs["static"]["signatures"] + runs["dynamic"]["signatures"])
+    kernels = {s[1] for s in sigs}
+    assert len(kernels) == 9, kernels
+    assert {dict(s[3]).get("BOUND") == 0 for s in sigs if "BOUND" in dict(s[3])} == {True, False}
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile"],
+                          input=json.dumps(sigs), cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"compiled {len({json.dumps(s) for s in sigs})}" in proc.stdout
+
+
+def _compile_main():
+    from granii.kernels.triton.launch import compile_signatures
+
+    def tup(x):
+        return tuple(tup(i) for i in x) if isinstance(x, list) else x
+    sigs = {tup(s) for s in json.loads(sys.stdin.read())}
+    print(f"compiled {compile_signatures(sorted(sigs, key=repr))}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--worker":
+        print(json.dumps(worker(sys.argv[2], sys.argv[3])))
+    elif sys.argv[1] == "--compile":
+        _compile_main()

@@ -12,6 +12,7 @@ from granii import kernels
 from granii.datasets import load_graph
 from granii.graph import graph_info
 from granii.kernels import native, native_gat
+from granii.kernels.registry import get
 
 needs_native = pytest.mark.skipif(not native_gat.available(), reason="native kernels not built")
 
@@ -279,6 +280,20 @@ def test_graph_without_edges(nodes):
     assert all(not t.any() for t in grads)
     assert native_gat.edge_softmax_native(gi, torch.randn(0, 2)).shape == (0, 2)
     assert native_gat.sddmm_add_native(gi, el, er).shape == (0, 2, 1)
+
+
+@pytest.mark.parametrize("impl", ["torch", "dgl"])
+@pytest.mark.parametrize("mask", ["per edge", "per edge and head"])
+def test_a_graph_without_edges_takes_an_edge_weight_or_dropout_mask(impl, mask):
+    """The fused step's edge weight (an attention dropout mask: one value per edge and head) on a
+    graph with no edge: a zero result, not a reshape error."""
+    g = dgl.graph((torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long)),
+                  num_nodes=4)
+    gi = graph_info(g)
+    el, er, feat, _ = _inputs(g, 2, 3, torch.float32, False)
+    w = torch.ones(0) if mask == "per edge" else torch.ones(0, 2)
+    y = get("gat_aggregate", impl)(gi, el, er, feat, 0.2, w)
+    assert y.shape == (4, 2, 3) and not y.any()
 
 
 # -- against DGL's GATConv ------------------------------------------------------------------------------

@@ -147,7 +147,8 @@ def _weighted(a, edge_weight):
     dropout mask) as GATConv applies ``edge_weight`` after the softmax."""
     if edge_weight is None:
         return a
-    return a * edge_weight.reshape(a.shape[0], -1, 1).to(a.dtype)
+    heads = edge_weight.numel() // a.shape[0] if a.shape[0] else 1   # no edges: any count
+    return a * edge_weight.reshape(a.shape[0], heads, 1).to(a.dtype)
 
 
 @register("gat_aggregate", "dgl")

@@ -392,6 +392,11 @@ def worker(mode, dev):
             "the strict interpreter ran a loop bound loaded from memory"
     with recording() as launched:
         for name, fn in CHECKS.items():
+            if name.endswith("gradcheck") and mode == "dynamic" and dev == "cpu":
+                # float64 gradcheck once, in the static run (time); the dynamic run compares
+                # every backward kernel's float32 gradients with the references
+                results[name] = None
+                continue
             t0 = time.perf_counter()
             try:
                 fn(dev)
@@ -434,8 +439,10 @@ def representative(signatures):
     for sig in signatures:
         if any(t == "*fp64" for _, t in sig[2]):
             continue
-        bound = dict(sig[3]).get("BOUND")
-        groups.setdefault((sig[1], bound == 0 if bound is not None else None), []).append(sig)
+        consts = dict(sig[3])
+        bound = consts.get("BOUND")
+        key = (sig[1], None if bound is None else bound == 0, consts.get("SEGMENTED"))
+        groups.setdefault(key, []).append(sig)
     chosen = []
     for sigs in groups.values():
         sigs = sorted(sigs, key=lambda s: (_flags(s), json.dumps(s)))
@@ -489,7 +496,7 @@ def test_compiles_for_gpu(runs):
     every kernel in both loop forms."""
     sigs = representative(runs["static"]["signatures"] + runs["dynamic"]["signatures"])
     kernels = {s[1] for s in sigs}
-    assert len(kernels) == 9, kernels
+    assert len(kernels) == 8, kernels
     assert {dict(s[3]).get("BOUND") == 0 for s in sigs if "BOUND" in dict(s[3])} == {True, False}
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("TRITON_INTERPRET", None)

@@ -40,87 +40,58 @@ SEG = 64          # edges per work item of the ``segments`` schedule (read at ea
 
 
 @triton.jit
-def _gather_sum(acc, start, end, bound, indices, w, cs, x, f, fmask, F, D, H,
-                HAS_W: tl.constexpr, HAS_CS: tl.constexpr, BLOCK_E: tl.constexpr):
-    """``acc + sum_{j in [start, end)} w[j, f // D] c[col_j] X[col_j, f]``, ``BLOCK_E`` edges a
-    step, ``bound`` (>= end - start) steps' worth of offsets, the rest masked."""
-    for k in range(0, bound, BLOCK_E):
+def spmm_kernel(indptr, seg_row, seg_start, seg_end, seg_whole, indices, w, rs, cs, x, bias, res,
+                y, F, D, H, SEGMENTED: tl.constexpr, BOUND: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_F: tl.constexpr, HAS_W: tl.constexpr, HAS_RS: tl.constexpr,
+                HAS_CS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                RELU: tl.constexpr):
+    """One program per (work item, block of ``BLOCK_F`` columns).
+
+    ``SEGMENTED`` false (``rows``): item ``i`` is row ``i``, its edges ``indptr[i] ..
+    indptr[i + 1]``; ``BOUND`` 0 loops over the row's own length, else ``BOUND`` offsets (masked).
+    ``SEGMENTED`` true: item ``i`` is ``seg_start[i] .. seg_end[i]`` of row ``seg_row[i]``, at
+    most ``BOUND`` edges; a whole row stores its finished result, a piece of a split row adds
+    ``r[row] * partial`` atomically (``y`` zeroed before, ``finish_rows_kernel`` after).
+    """
+    item = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    fmask = f < F
+    if SEGMENTED:
+        row = tl.load(seg_row + item).to(tl.int64)
+        start = tl.load(seg_start + item).to(tl.int64)
+        end = tl.load(seg_end + item).to(tl.int64)
+    else:
+        row = item
+        start = tl.load(indptr + row).to(tl.int64)
+        end = tl.load(indptr + row + 1).to(tl.int64)
+    acc = tl.zeros([BLOCK_F], dtype=x.dtype.element_ty)
+    # the bound goes into range() directly: see graph.py on loop bounds under the interpreter
+    for k in range(0, (end - start) if BOUND == 0 else BOUND, BLOCK_E):
         offs = start + k + tl.arange(0, BLOCK_E)
         emask = offs < end
         cols = tl.load(indices + offs, mask=emask, other=0).to(tl.int64)
         m2 = emask[:, None] & fmask[None, :]
         xv = tl.load(x + cols[:, None] * F + f[None, :], mask=m2, other=0.0)
         if HAS_W:
-            wv = tl.load(w + offs[:, None] * H + (f // D)[None, :], mask=m2, other=0.0)
-            xv = xv * wv
+            xv = xv * tl.load(w + offs[:, None] * H + (f // D)[None, :], mask=m2, other=0.0)
         if HAS_CS:
-            cv = tl.load(cs + cols, mask=emask, other=0.0)
-            xv = xv * cv[:, None]
+            xv = xv * tl.load(cs + cols, mask=emask, other=0.0)[:, None]
         acc += tl.sum(xv, axis=0)
-    return acc
-
-
-@triton.jit
-def _finish(acc, row, f, fmask, bias, res, F,
-            HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RELU: tl.constexpr):
-    """``act(acc + bias[f] + R[row, f])``."""
+    if HAS_RS:
+        acc = acc * tl.load(rs + row)
+    done = acc
     if HAS_BIAS:
-        acc += tl.load(bias + f, mask=fmask, other=0.0)
+        done += tl.load(bias + f, mask=fmask, other=0.0)
     if HAS_RES:
-        acc += tl.load(res + row * F + f, mask=fmask, other=0.0)
+        done += tl.load(res + row * F + f, mask=fmask, other=0.0)
     if RELU:
-        acc = tl.maximum(acc, 0.0)
-    return acc
-
-
-@triton.jit
-def spmm_rows_kernel(indptr, indices, w, rs, cs, x, bias, res, y, F, D, H,
-                     BOUND: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr,
-                     HAS_W: tl.constexpr, HAS_RS: tl.constexpr, HAS_CS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RELU: tl.constexpr):
-    """One program per (row, column block): ``Y[row, f]`` of the module docstring. ``BOUND``: 0
-    reads the row's length as the loop bound, else it is the (static) bound."""
-    row = tl.program_id(0).to(tl.int64)
-    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    fmask = f < F
-    start = tl.load(indptr + row).to(tl.int64)
-    end = tl.load(indptr + row + 1).to(tl.int64)
-    acc = tl.zeros([BLOCK_F], dtype=x.dtype.element_ty)
-    if BOUND == 0:
-        acc = _gather_sum(acc, start, end, end - start, indices, w, cs, x, f, fmask, F, D, H,
-                          HAS_W, HAS_CS, BLOCK_E)
+        done = tl.maximum(done, 0.0)
+    if SEGMENTED:
+        flag = tl.load(seg_whole + item)
+        tl.store(y + row * F + f, done, mask=fmask & (flag != 0))
+        tl.atomic_add(y + row * F + f, acc, mask=fmask & (flag == 0))
     else:
-        acc = _gather_sum(acc, start, end, BOUND, indices, w, cs, x, f, fmask, F, D, H,
-                          HAS_W, HAS_CS, BLOCK_E)
-    if HAS_RS:
-        acc = acc * tl.load(rs + row)
-    acc = _finish(acc, row, f, fmask, bias, res, F, HAS_BIAS, HAS_RES, RELU)
-    tl.store(y + row * F + f, acc, mask=fmask)
-
-
-@triton.jit
-def spmm_segments_kernel(seg_row, seg_start, seg_end, seg_whole, indices, w, rs, cs, x, bias,
-                         res, y, F, D, H,
-                         SEG: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr,
-                         HAS_W: tl.constexpr, HAS_RS: tl.constexpr, HAS_CS: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, RELU: tl.constexpr):
-    """One program per (work item, column block): a whole row stores its finished result; a piece
-    of a split row adds ``r[row] * partial`` atomically (``y`` zeroed before)."""
-    item = tl.program_id(0).to(tl.int64)
-    f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    fmask = f < F
-    row = tl.load(seg_row + item).to(tl.int64)
-    start = tl.load(seg_start + item).to(tl.int64)
-    end = tl.load(seg_end + item).to(tl.int64)
-    flag = tl.load(seg_whole + item)
-    acc = tl.zeros([BLOCK_F], dtype=x.dtype.element_ty)
-    acc = _gather_sum(acc, start, end, SEG, indices, w, cs, x, f, fmask, F, D, H,
-                      HAS_W, HAS_CS, BLOCK_E)
-    if HAS_RS:
-        acc = acc * tl.load(rs + row)
-    done = _finish(acc, row, f, fmask, bias, res, F, HAS_BIAS, HAS_RES, RELU)
-    tl.store(y + row * F + f, done, mask=fmask & (flag != 0))
-    tl.atomic_add(y + row * F + f, acc, mask=fmask & (flag == 0))
+        tl.store(y + row * F + f, done, mask=fmask)
 
 
 @triton.jit
@@ -131,7 +102,12 @@ def finish_rows_kernel(rows, bias, res, y, F, BLOCK_F: tl.constexpr,
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     fmask = f < F
     acc = tl.load(y + row * F + f, mask=fmask, other=0.0)
-    acc = _finish(acc, row, f, fmask, bias, res, F, HAS_BIAS, HAS_RES, RELU)
+    if HAS_BIAS:
+        acc += tl.load(bias + f, mask=fmask, other=0.0)
+    if HAS_RES:
+        acc += tl.load(res + row * F + f, mask=fmask, other=0.0)
+    if RELU:
+        acc = tl.maximum(acc, 0.0)
     tl.store(y + row * F + f, acc, mask=fmask)
 
 
@@ -165,19 +141,22 @@ def spmm_csr(csr, x, w=None, rs=None, cs=None, bias=None, res=None, relu=False,
     fblocks = triton.cdiv(width, block_f) if width else 0
     if schedule == "rows":
         y = torch.empty(csr.rows, width, dtype=x.dtype, device=x.device)
-        launch(spmm_rows_kernel, (csr.rows, fblocks),
-               [csr.indptr, csr.indices, w_, rs_, cs_, x_, bias_, res_, y, width,
+        ip = csr.indptr
+        launch(spmm_kernel, (csr.rows, fblocks),
+               [ip, ip, ip, ip, ip, csr.indices, w_, rs_, cs_, x_, bias_, res_, y, width,
                 width // heads, heads],
-               dict(BOUND=csr.bound(block_e), BLOCK_E=block_e, BLOCK_F=block_f, **flags))
+               dict(SEGMENTED=False, BOUND=csr.bound(block_e), BLOCK_E=block_e,
+                    BLOCK_F=block_f, **flags))
         return y
     if schedule != "segments":
         raise ValueError(f"granii: schedule must be 'rows' or 'segments', got {schedule!r}")
-    seg_row, seg_start, seg_end, seg_whole, split = csr.segments(SEG)
+    seg = SEG
+    seg_row, seg_start, seg_end, seg_whole, split = csr.segments(seg)
     y = torch.zeros(csr.rows, width, dtype=x.dtype, device=x.device)
-    launch(spmm_segments_kernel, (seg_row.shape[0], fblocks),
-           [seg_row, seg_start, seg_end, seg_whole, csr.indices, w_, rs_, cs_, x_, bias_, res_,
-            y, width, width // heads, heads],
-           dict(SEG=SEG, BLOCK_E=min(block_e, SEG), BLOCK_F=block_f, **flags))
+    launch(spmm_kernel, (seg_row.shape[0], fblocks),
+           [csr.indptr, seg_row, seg_start, seg_end, seg_whole, csr.indices, w_, rs_, cs_, x_,
+            bias_, res_, y, width, width // heads, heads],
+           dict(SEGMENTED=True, BOUND=seg, BLOCK_E=min(block_e, seg), BLOCK_F=block_f, **flags))
     if split.shape[0] and (bias is not None or res is not None or relu):
         launch(finish_rows_kernel, (split.shape[0], fblocks),
                [split, bias_, res_, y, width],

@@ -120,11 +120,25 @@ AUTOCAST = ("autocast is on: DGL's layer and torch's autocast rules decide the d
             "step (and of the output), which granii's plans do not follow")
 
 
+def _autocast_check():
+    """torch's test of autocast on the CPU or CUDA: ``is_autocast_enabled(device)`` from torch
+    2.4 (where ``is_autocast_cpu_enabled`` warns that it is deprecated), the two older calls
+    before."""
+    try:
+        torch.is_autocast_enabled("cpu")
+    except TypeError:
+        return lambda: torch.is_autocast_cpu_enabled() or torch.is_autocast_enabled()
+    return lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
+_AUTOCAST_ON = _autocast_check()
+
+
 def autocast_on():
     """Whether the call runs in an autocast region (CPU or CUDA): then the original forward runs
     (``AUTOCAST``). DGL's GraphConv, for one, returns float32 there from a bfloat16 product
     plus its float32 bias."""
-    return torch.is_autocast_cpu_enabled() or torch.is_autocast_enabled()
+    return _AUTOCAST_ON()
 
 
 def _any_requires_grad(module):

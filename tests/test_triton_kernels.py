@@ -468,11 +468,31 @@ SKIP = _skip_reason()
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 
 
+def _start_small(out):
+    """``bench/gpu_check.py --small`` (the GPU check's own CPU form) into ``out``."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT,
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.pop("GRANII_TRITON_LOOPS", None)
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"),
+                             "--small", "--skip-checks", "--out", str(out)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
 @pytest.fixture(scope="module")
-def runs():
-    """Both workers' results (run side by side)."""
+def runs(tmp_path_factory):
+    """Both workers' results, and on the CPU the GPU check's ``--small`` run (side by side)."""
     procs = {mode: _start_worker(mode) for mode in MODES}
-    return {mode: _result(mode, proc) for mode, proc in procs.items()}
+    small = None
+    if DEVICE == "cpu":
+        out = tmp_path_factory.mktemp("gpu_check")
+        small = (out, _start_small(out))
+    results = {mode: _result(mode, proc) for mode, proc in procs.items()}
+    if small is not None:
+        out, proc = small
+        log = proc.communicate(timeout=600)[0]
+        results["small"] = (proc.returncode, log, out)
+    return results
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -505,6 +525,31 @@ def test_compiles_for_gpu(runs):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"compiled {len({json.dumps(s) for s in sigs})}" in proc.stdout
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the GPU check itself runs on the GPU")
+def test_gpu_check_small(runs):
+    """``bench/gpu_check.py --small`` (interpreter, a 16-node power-law graph) writes its report
+    and CSV; every Triton cell agrees with cuSPARSE, PyG's scatter or PyG's eager models (outputs,
+    the first training step's loss and every parameter's gradient), and nothing fails."""
+    import csv
+    rc, log, out = runs["small"]
+    assert rc == 0, log[-4000:]
+    report = (out / "report.md").read_text()
+    for title in ("## Kernels", "## 2-layer models"):
+        assert title in report
+    with open(out / "gpu_check.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert not [r for r in rows if r["ok"] == "NO" or r["note"].startswith("error")], rows
+    plan = {(r["name"], r["mode"]): r for r in rows if r["variant"] == "triton-plan"}
+    assert set(plan) == {(m, mode) for m in ("gcn", "sage", "gat")
+                         for mode in ("inference", "training")}
+    assert all(r["ok"] == "yes" and r["note"] == "vs eager" for r in plan.values()), plan
+    kernels = {(r["name"], r["variant"], r["mode"]): r["ok"] for r in rows
+               if r["section"] == "kernels"}
+    for key in (("spmm k=4", "triton-rows", "forward"), ("spmm k=4", "triton-segments", "forward"),
+                ("spmm k=4", "triton", "fwd+bwd"), ("gat h=2 d=4", "torch-edges", "fwd+bwd")):
+        assert kernels.get(key) == "yes", (key, kernels)
 
 
 def _compile_main():

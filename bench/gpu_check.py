@@ -1,0 +1,576 @@
+"""The short GPU check: granii's Triton kernels on a GPU, against cuSPARSE and PyG, in minutes.
+
+    python bench/gpu_check.py [--nodes 2000000] [--budget 330] [--out DIR]
+    python bench/gpu_check.py --small            # CPU, Triton's interpreter, seconds (a test runs it)
+
+Steps, each printed as it starts, each skipped (and said so in the report) once ``--budget``
+seconds are spent:
+
+1. **Kernel checks**: the checks of ``tests/test_triton_kernels.py`` (outputs and gradients against
+   torch references on small graphs), in both loop-bound forms, compiled for this GPU; no pytest
+   needed (the test file's worker is run directly).
+2. **Graph**: the power-law graph of issue 37: ``nodes/... * 10`` edges with uniform sources and
+   destinations ``floor(N u^3)``, made symmetric, duplicates and loops removed, one self loop a
+   node (2M nodes: about 40M edges plus 2M loops).
+3. **Kernels** (median of ``--reps`` after warm-up, CUDA events): SpMM ``A X`` at 32 and 128
+   features by cuSPARSE (``torch.sparse.mm`` on CSR), PyG's gather-scatter (``x[src]`` then
+   ``scatter`` by destination), granii's ``rows`` and ``segments`` schedules; SpMM forward and
+   backward (cuSPARSE re-transposes, granii walks its kept transpose); the fused GAT forward and
+   backward (8 heads x 16) against the same computation by edges in torch, eager and compiled.
+   Each output is checked against cuSPARSE's (SpMM) or the edge-wise torch result (GAT).
+4. **Models**: 2-layer GCN, GAT (8 heads) and GraphSAGE, 128 -> 128 -> 16, as PyG's examples write
+   them; a training step (forward, cross entropy, backward, Adam) and inference, for PyG eager
+   (``edge_index``), PyG with a CSR ``adj_t`` (GCN, SAGE), ``torch.compile`` of the PyG model
+   (compilation timed separately) and ``triton-plan``: the same parameters run by a forward
+   composed of granii's Triton kernels by hand (GEMM first, then one fused SpMM with the
+   normalisation, bias and ReLU as its epilogue; GAT's fused kernel). ``triton-plan`` is what a
+   plan on the GPU would run, not granii's dispatcher choosing it: that integration is not done.
+   Its outputs, loss and gradients are checked against PyG eager's with the same parameters.
+
+Writes ``report.md`` and ``gpu_check.csv`` to ``--out`` (default: ``$OUT`` when set, else
+``results/gpu``). An out-of-memory error is recorded as such for that cell, not a failure.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FIELDS = ["section", "name", "variant", "mode", "ms", "peak_mib", "max_err", "ok", "note"]
+
+
+class Run:
+    """Time budget, progress printing and the rows of the report."""
+
+    def __init__(self, args):
+        self.args = args
+        self.t0 = time.monotonic()
+        self.rows = []
+        self.dev = torch.device("cpu" if args.small else "cuda")
+
+    def left(self):
+        return self.args.budget - (time.monotonic() - self.t0)
+
+    def say(self, msg):
+        print(f"[{time.monotonic() - self.t0:6.1f} s] {msg}", flush=True)
+
+    def row(self, section, name, variant, mode="", ms=None, peak=None, err=None, ok=None,
+            note=""):
+        r = dict(section=section, name=name, variant=variant, mode=mode,
+                 ms="" if ms is None else f"{ms:.3f}", peak_mib="" if peak is None else
+                 f"{peak:.0f}", max_err="" if err is None else f"{err:.2e}",
+                 ok="" if ok is None else ("yes" if ok else "NO"), note=note)
+        self.rows.append(r)
+        self.say(f"  {section} {name} {variant} {mode}: "
+                 + ", ".join(f"{k}={v}" for k, v in r.items()
+                             if k in ("ms", "peak_mib", "max_err", "ok", "note") and v))
+        return r
+
+    def sync(self):
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def reset_peak(self):
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self):
+        return torch.cuda.max_memory_allocated() / 2**20 if self.dev.type == "cuda" else None
+
+    def time(self, fn, reps=None, warmup=None):
+        """Median milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` calls (1 on a GPU,
+        none under the interpreter, where nothing is compiled)."""
+        reps = self.args.reps if reps is None else reps
+        warmup = (0 if self.args.small else 1) if warmup is None else warmup
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        times = []
+        for _ in range(reps):
+            if self.dev.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append(1e3 * (time.perf_counter() - t))
+        return statistics.median(times)
+
+
+def is_oom(ex):
+    return isinstance(ex, torch.cuda.OutOfMemoryError) or "out of memory" in str(ex).lower()
+
+
+# -- 1. kernel checks -----------------------------------------------------------------------------
+def kernel_checks(run):
+    test = ROOT / "tests" / "test_triton_kernels.py"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    dev = "cpu" if run.args.small else "cuda"
+    if dev == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    all_ok = True
+    for mode in ("dynamic", "static"):
+        if run.left() < 60 and not run.args.small:
+            run.row("checks", "kernel checks", mode, note="skipped: budget")
+            continue
+        run.say(f"kernel checks, {mode} loop bounds, on {dev}")
+        t = time.monotonic()
+        proc = subprocess.run([sys.executable, str(test), "--worker", mode, dev], cwd=ROOT,
+                              env=dict(env, GRANII_TRITON_LOOPS=mode), capture_output=True,
+                              text=True, timeout=max(60, run.left()))
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode or not lines:
+            all_ok = False
+            run.row("checks", "kernel checks", mode, ok=False,
+                    note=f"worker failed rc={proc.returncode}: {proc.stderr[-300:]!r}")
+            continue
+        results = json.loads(lines[-1])["results"]
+        for name, error in results.items():
+            ok = error is None
+            all_ok &= ok
+            run.row("checks", name, mode, ok=ok,
+                    note="" if ok else error.strip().splitlines()[-1][:300])
+        run.say(f"  {mode}: {sum(e is None for e in results.values())}/{len(results)} passed "
+                f"in {time.monotonic() - t:.0f} s")
+    return all_ok
+
+
+# -- 2. the graph ---------------------------------------------------------------------------------
+def power_law_graph(n, edges, device, seed=0):
+    """``(src, dst)`` of the symmetric power-law graph with one self loop a node (module
+    docstring), sorted by destination."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    src = torch.randint(0, n, (edges,), device=device, generator=gen)
+    u = torch.rand(edges, device=device, generator=gen)
+    dst = (n * u ** 3).long().clamp_(max=n - 1)
+    s = torch.cat([src, dst])
+    d = torch.cat([dst, src])
+    del src, dst, u
+    keep = s != d
+    key = torch.unique(d[keep] * n + s[keep])        # sorted: by destination, then source
+    del s, d, keep
+    loops = torch.arange(n, device=device)
+    key = torch.sort(torch.cat([key, loops * n + loops])).values
+    return key % n, key // n
+
+
+# -- 3. kernels -----------------------------------------------------------------------------------
+def spmm_timings(run, graph, src, dst, n):
+    from torch_geometric.utils import scatter
+
+    from granii.kernels.triton import spmm
+
+    dev = run.dev
+    crow = graph.a.indptr.to(torch.int64) if run.args.small else graph.a.indptr
+    col = graph.a.indices
+    ones = torch.ones(graph.num_edges, device=dev)
+    a_csr = torch.sparse_csr_tensor(crow, col, ones, size=(n, n))
+    for width in run.args.widths:
+        if run.left() < 30:
+            run.row("kernels", f"spmm k={width}", "all", note="skipped: budget")
+            continue
+        x = torch.randn(n, width, device=dev)
+        want = torch.sparse.mm(a_csr, x)
+        variants = {
+            "cusparse": lambda: torch.sparse.mm(a_csr, x),
+            "pyg-scatter": lambda: scatter(x[src], dst, 0, dim_size=n, reduce="sum"),
+            "triton-rows": lambda: spmm(graph, x, schedule="rows"),
+            "triton-segments": lambda: spmm(graph, x, schedule="segments"),
+        }
+        for name, fn in variants.items():
+            try:
+                run.reset_peak()
+                got = fn()
+                err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+                ms = run.time(fn)
+                run.row("kernels", f"spmm k={width}", name, "forward", ms, run.peak(), err,
+                        err < 1e-4)
+            except Exception as ex:     # noqa: BLE001 (an OOM or a missing op is a result)
+                run.row("kernels", f"spmm k={width}", name, "forward",
+                        note=("OOM" if is_oom(ex) else f"error: {ex}")[:300])
+        # forward + backward: dX = A^T dY (cuSPARSE's backward transposes A at every call)
+        dy = torch.randn(n, width, device=dev)
+        xg = x.clone().requires_grad_(True)
+        ref_grad = None
+        for name, f in {"cusparse": lambda t: torch.sparse.mm(a_csr, t),
+                        "triton": lambda t: spmm(graph, t)}.items():
+            def step():
+                xg.grad = None
+                f(xg).backward(dy)
+            try:
+                run.reset_peak()
+                ms = run.time(step)
+                err = ok = None
+                if ref_grad is None:
+                    ref_grad = xg.grad.detach().clone()
+                else:
+                    err = (xg.grad - ref_grad).abs().max().item() / max(
+                        ref_grad.abs().max().item(), 1e-30)
+                    ok = err < 1e-4
+                run.row("kernels", f"spmm k={width}", name, "fwd+bwd", ms, run.peak(), err, ok)
+            except Exception as ex:     # noqa: BLE001
+                run.row("kernels", f"spmm k={width}", name, "fwd+bwd",
+                        note=("OOM" if is_oom(ex) else f"error: {ex}")[:300])
+        del x, want, dy, xg
+
+
+def gat_timings(run, graph, src, dst, n):
+    from granii.kernels.triton import gat
+    dev = run.dev
+    heads, dim = run.args.gat_heads, run.args.gat_dim
+    gen = torch.Generator(device=dev).manual_seed(1)
+    el = torch.randn(n, heads, device=dev, generator=gen).requires_grad_(True)
+    er = torch.randn(n, heads, device=dev, generator=gen).requires_grad_(True)
+    feat = torch.randn(n, heads, dim, device=dev, generator=gen).requires_grad_(True)
+    dout = torch.randn(n, heads, dim, device=dev, generator=gen)
+
+    def by_edges(el, er, feat):
+        x = torch.nn.functional.leaky_relu(el[src] + er[dst], 0.2)
+        m = torch.full((n, heads), -torch.inf, device=x.device).index_reduce(
+            0, dst, x.detach(), "amax")
+        ex = torch.exp(x - m[dst])
+        den = torch.zeros(n, heads, device=x.device).index_add(0, dst, ex)
+        a = ex / den[dst]
+        return torch.zeros(n, heads, dim, device=x.device).index_add(
+            0, dst, a.unsqueeze(-1) * feat[src])
+
+    def step(f, keep):
+        def go():
+            for t in (el, er, feat):
+                t.grad = None
+            out = f(el, er, feat)
+            out.backward(dout)
+            keep[:] = [out.detach(), feat.grad, el.grad, er.grad]
+        return go
+    variants = {"triton-fused": lambda a, b, c: gat(graph, a, b, c, 0.2),
+                "torch-edges": by_edges}
+    if not run.args.small:
+        variants["torch-edges-compiled"] = torch.compile(by_edges)
+    fused = None
+    for name, f in variants.items():
+        what = f"gat h={heads} d={dim}"
+        if run.left() < (60 if "compiled" in name else 20):
+            run.row("kernels", what, name, "fwd+bwd", note="skipped: budget")
+            continue
+        try:
+            run.reset_peak()
+            keep = []
+            t = time.monotonic()
+            step(f, keep)()
+            run.sync()
+            first = time.monotonic() - t
+            ms = run.time(step(f, keep))
+            err = ok = None
+            if fused is None:
+                fused = keep
+            else:                       # this variant against the fused kernel
+                err = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+                          for a, b in zip(keep, fused))
+                ok = err < 1e-3
+            note = f"first call {first:.1f} s" if "compiled" in name else ""
+            run.row("kernels", what, name, "fwd+bwd", ms, run.peak(), err, ok, note)
+        except Exception as ex:         # noqa: BLE001
+            run.row("kernels", what, name, "fwd+bwd",
+                    note=("OOM" if is_oom(ex) else f"error: {ex}")[:300])
+        if run.dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# -- 4. models ------------------------------------------------------------------------------------
+def build_model(kind, fin, hidden, classes, heads):
+    from torch_geometric.nn import GATConv, GCNConv, SAGEConv
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            if kind == "gcn":
+                self.conv1, self.conv2 = GCNConv(fin, hidden), GCNConv(hidden, classes)
+            elif kind == "sage":
+                self.conv1, self.conv2 = SAGEConv(fin, hidden), SAGEConv(hidden, classes)
+            else:
+                self.conv1 = GATConv(fin, hidden // heads, heads=heads)
+                self.conv2 = GATConv(hidden, classes, heads=1)
+
+        def forward(self, x, edge_index):
+            act = torch.nn.functional.elu if kind == "gat" else torch.relu
+            return self.conv2(act(self.conv1(x, edge_index)), edge_index)
+    return Net()
+
+
+class TritonPlan(torch.nn.Module):
+    """The PyG model's parameters run by granii's Triton kernels (module docstring, step 4)."""
+
+    def __init__(self, model, kind, graph, n):
+        super().__init__()
+        self.model, self.kind, self.graph = model, kind, graph
+        deg = (graph.a.indptr[1:] - graph.a.indptr[:-1]).to(torch.float32)
+        self.dis = deg.clamp(min=1).pow(-0.5)        # GCN: loops are in the graph already
+        self.inv = 1.0 / deg.clamp(min=1)            # SAGE: mean
+
+    def forward(self, x, _edge_index=None):
+        from granii.kernels.triton import gat, spmm
+        m, g = self.model, self.graph
+        if self.kind == "gcn":
+            h = spmm(g, x @ m.conv1.lin.weight.t(), row_scale=self.dis, col_scale=self.dis,
+                     bias=m.conv1.bias, relu=True)
+            return spmm(g, h @ m.conv2.lin.weight.t(), row_scale=self.dis, col_scale=self.dis,
+                        bias=m.conv2.bias)
+        if self.kind == "sage":
+            c1, c2 = m.conv1, m.conv2
+            h = spmm(g, x @ c1.lin_l.weight.t(), row_scale=self.inv, bias=c1.lin_l.bias,
+                     residual=x @ c1.lin_r.weight.t(), relu=True)
+            return spmm(g, h @ c2.lin_l.weight.t(), row_scale=self.inv, bias=c2.lin_l.bias,
+                        residual=h @ c2.lin_r.weight.t())
+        h = self._gat(m.conv1, x)
+        return self._gat(m.conv2, torch.nn.functional.elu(h))
+
+    def _gat(self, conv, x):
+        from granii.kernels.triton import gat
+        heads, ch = conv.heads, conv.out_channels
+        proj = (x @ conv.lin.weight.t()).reshape(-1, heads, ch)
+        el = (proj * conv.att_src).sum(-1)
+        er = (proj * conv.att_dst).sum(-1)
+        out = gat(self.graph, el, er, proj, conv.negative_slope,
+                  bias=conv.bias.reshape(heads, ch) if conv.bias is not None else None)
+        return out.reshape(x.shape[0], heads * ch)
+
+
+def model_timings(run, graph, src, dst, n):
+    args = run.args
+    dev = run.dev
+    edge_index = torch.stack([src, dst])
+    gen = torch.Generator(device=dev).manual_seed(2)
+    x = torch.randn(n, args.features, device=dev, generator=gen)
+    y = torch.randint(0, args.classes, (n,), device=dev, generator=gen)
+    # PyG's gcn_norm adds a whole diagonal to a sparse adjacency (not only the missing loops, as
+    # on edge_index): GCN's adj_t is the graph without its loops, SAGE's the graph as it is
+    adj_t = _adj_t(src, dst, n, keep_loops=True)
+    adj_t_gcn = _adj_t(src, dst, n, keep_loops=False)
+    cells = []
+    for kind in args.models:
+        torch.manual_seed(0)
+        model = build_model(kind, args.features, args.hidden, args.classes, args.heads).to(dev)
+        plan = TritonPlan(model, kind, graph, n)
+        variants = {"eager": (model, edge_index)}
+        if kind != "gat":
+            variants["adj_t"] = (model, adj_t_gcn if kind == "gcn" else adj_t)
+        if not args.small:
+            variants["compile"] = (torch.compile(model), edge_index)
+        variants["triton-plan"] = (plan, None)
+        cells.append((kind, model, variants))
+    reference = {}
+    # every model's eager, adj_t and Triton cells first; the compiled ones (the slowest: their
+    # compilation) last, so that a short budget loses those
+    order = [(k, m, name, v) for k, m, vs in cells for name, v in vs.items() if name != "compile"]
+    order += [(k, m, name, v) for k, m, vs in cells for name, v in vs.items() if name == "compile"]
+    for kind, model, name, (fn, graph_arg) in order:
+        for training in (False, True):
+            mode = "training" if training else "inference"
+            if run.left() < (60 if name == "compile" else 20):
+                run.row("models", kind, name, mode, note="skipped: budget")
+                continue
+            try:
+                run.reset_peak()
+                ms, first, check = _model_cell(run, model, fn, x, graph_arg, y, training)
+                err = ok = None
+                note = f"first call {first * 1e3:.0f} ms" if name == "compile" else ""
+                if (kind, mode) not in reference:     # eager's, or the first that ran
+                    reference[kind, mode] = (name, check)
+                else:
+                    ref_name, ref = reference[kind, mode]
+                    err = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+                              for a, b in zip(check, ref))
+                    ok = err < (2e-3 if name != "adj_t" else 1e-2)
+                    note = "; ".join(t for t in (note, f"vs {ref_name}") if t)
+                run.row("models", kind, name, mode, ms, run.peak(), err, ok, note)
+            except Exception as ex:     # noqa: BLE001
+                run.row("models", kind, name, mode,
+                        note=("OOM" if is_oom(ex) else f"error: {type(ex).__name__}: {ex}")[:300])
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+        write_report(run)
+
+
+def _adj_t(src, dst, n, keep_loops):
+    """``torch.sparse`` CSR adjacency with rows as targets (PyG's ``adj_t``); ``src``/``dst``
+    sorted by destination."""
+    if not keep_loops:
+        keep = src != dst
+        src, dst = src[keep], dst[keep]
+    crow = torch.zeros(n + 1, dtype=torch.int64, device=src.device)
+    crow[1:] = torch.cumsum(torch.bincount(dst, minlength=n), 0)
+    return torch.sparse_csr_tensor(crow, src.to(torch.int64),
+                                   torch.ones(src.shape[0], device=src.device), size=(n, n))
+
+
+def _model_cell(run, model, fn, x, graph_arg, y, training):
+    """``(median ms, first call s, tensors to compare)``: inference gives the output; training
+    the first step's loss and the gradients of every parameter (before Adam moves them), then
+    steps go on from a copy of the parameters so each variant starts from the same ones."""
+    params = list(model.parameters())
+    saved = [p.detach().clone() for p in params]
+    if not training:
+        model.eval()
+
+        def call():
+            with torch.no_grad():
+                return fn(x, graph_arg)
+        t = time.monotonic()
+        out = call()
+        run.sync()
+        first = time.monotonic() - t
+        ms = run.time(call)
+        return ms, first, [out.float()]
+    model.train()
+    opt = torch.optim.Adam(params, lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(fn(x, graph_arg), y)
+        loss.backward()
+        opt.step()
+        return loss
+    opt.zero_grad(set_to_none=True)
+    t = time.monotonic()
+    loss = torch.nn.functional.cross_entropy(fn(x, graph_arg), y)
+    loss.backward()
+    run.sync()
+    first = time.monotonic() - t
+    check = [loss.detach().reshape(1)] + [p.grad.detach().clone() for p in params]
+    ms = run.time(step)
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    return ms, first, check
+
+
+# -- report ---------------------------------------------------------------------------------------
+def describe_device(dev):
+    import triton
+    parts = [f"torch {torch.__version__}", f"triton {triton.__version__}",
+             f"python {platform.python_version()}"]
+    try:
+        import torch_geometric
+        parts.append(f"torch_geometric {torch_geometric.__version__}")
+    except ImportError:
+        pass
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        parts.insert(0, f"{p.name} ({p.multi_processor_count} SMs, "
+                        f"{p.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}")
+    else:
+        parts.insert(0, "CPU, Triton interpreter")
+    return "; ".join(parts)
+
+
+def write_report(run):
+    """``report.md`` and ``gpu_check.csv`` of what has run so far (rewritten after each step, so
+    that a run cut short still leaves its results)."""
+    from bench.csvfile import write_csv
+    out, graph_line = run.out, run.graph_line
+    checks = [r for r in run.rows if r["section"] == "checks"]
+    checks_ok = all(r["ok"] != "NO" for r in checks)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "gpu_check.csv", run.rows)
+    lines = ["# GPU check (`scripts/gpu_check.sh`)", "",
+             f"Device: {describe_device(run.dev)}.", "",
+             f"Graph: {graph_line}.", "",
+             f"Command: `{' '.join(sys.argv)}`; {time.monotonic() - run.t0:.0f} s. Kernel checks: "
+             f"{'none run' if not checks else 'all passed' if checks_ok else 'FAILED'}.", ""]
+    for section, title in (("checks", "Kernel checks (outputs and gradients vs torch)"),
+                           ("kernels", "Kernels (median ms)"),
+                           ("models", "2-layer models (median ms per call)")):
+        rows = [r for r in run.rows if r["section"] == section]
+        if not rows:
+            continue
+        lines += [f"## {title}", "", "| name | variant | mode | ms | peak MiB | max err | ok | note |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append("| " + " | ".join(r[k] for k in FIELDS[1:]) + " |")
+        lines.append("")
+    (out / "report.md").write_text("\n".join(lines))
+    return out / "report.md"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true",
+                   help="CPU, Triton's interpreter, a tiny graph: the script's own check")
+    p.add_argument("--nodes", type=int, default=None)
+    p.add_argument("--budget", type=float, default=None, help="seconds for all steps")
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--skip-checks", action="store_true")
+    p.add_argument("--models", default="gcn,sage,gat")
+    args = p.parse_args(argv)
+    if args.small:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            p.error("--small runs under Triton's interpreter: TRITON_INTERPRET must be 1")
+        args.nodes = args.nodes or 16
+        args.budget = args.budget or 600
+        args.reps = args.reps or 1
+        args.widths = (4,)
+        args.features, args.hidden, args.classes, args.heads = 8, 8, 4, 2
+        args.gat_heads, args.gat_dim = 2, 4
+    else:
+        if not torch.cuda.is_available():
+            p.error("no CUDA device: run with --small for the CPU check")
+        args.nodes = args.nodes or 2_000_000
+        args.budget = args.budget or 330
+        args.reps = args.reps or 10
+        args.widths = (32, 128)
+        args.features, args.hidden, args.classes, args.heads = 128, 128, 16, 8
+        args.gat_heads, args.gat_dim = 8, 16
+    args.models = [m for m in args.models.split(",") if m]
+    run = Run(args)
+    run.out = Path(args.out or os.environ.get("OUT") or ROOT / "results" / "gpu")
+    run.graph_line = "not built yet"
+    run.say(f"device: {describe_device(run.dev)}")
+    if not args.skip_checks:
+        kernel_checks(run)
+        write_report(run)
+    from granii.kernels.triton import CsrGraph
+    n = args.nodes
+    run.say(f"graph: {n} nodes")
+    src, dst = power_law_graph(n, 10 * n, run.dev)
+    graph = CsrGraph.from_coo(src, dst, n, n)
+    graph_line = (f"power-law, {n} nodes, {graph.num_edges} edges with self loops "
+                  f"(symmetric; largest in-degree {graph.a.max_len}, mean "
+                  f"{graph.num_edges / max(n, 1):.1f})")
+    run.say(graph_line)
+    run.graph_line = graph_line
+    spmm_timings(run, graph, src, dst, n)
+    write_report(run)
+    model_timings(run, graph, src, dst, n)
+    gat_timings(run, graph, src, dst, n)
+    path = write_report(run)
+    bad = [r for r in run.rows if r["ok"] == "NO"]
+    run.say(f"wrote {path} and {run.out / 'gpu_check.csv'}; {len(bad)} check(s) failed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -333,6 +333,49 @@ def check_graph_index(dev):
     close(spmm(g3, x), dense(src, dst, n) @ x, "from_csr")
 
 
+def check_registry_calls(dev):
+    """``impls``: the kernels behind the registry's calling convention (a ``GraphInfo``, edge
+    values in edge order) give what the registry's torch implementations give, outputs and
+    gradients, on a graph built from an edge list (PyG's ``IndexGraph``). CPU only: those torch
+    implementations build their indices on the CPU."""
+    if dev != "cpu":
+        return
+    from granii.graph import GraphInfo
+    from granii.kernels import get
+    from granii.kernels.triton import impls
+    from granii.pyg.graph import IndexGraph
+    src, dst, n = GRAPHS["directed"]()
+    gi = GraphInfo(IndexGraph(src, dst, n))
+    e = src.shape[0]
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(n, 2, 3, generator=gen)
+    w = torch.rand(e, 2, generator=gen)
+    d = torch.rand(n, generator=gen) + 0.5
+    bias = torch.randn(6, generator=gen)
+    res = torch.randn(n, 6, generator=gen)
+    el, er = torch.randn(n, 2, 1, generator=gen), torch.randn(n, 2, 1, generator=gen)
+    # the registry's torch spmm_weighted (and gat_aggregate, made with it) needs DGL for the
+    # gradient of the edge values: those two are compared with this file's references
+    compare("spmm_weighted", lambda w, x: impls.spmm_weighted_triton(gi, w, x).reshape(n, -1),
+            lambda w, x: ref_spmm(src, dst, n, x, w), [w, x])
+    compare("gat_aggregate", lambda a, b, x, w: impls.gat_aggregate_triton(gi, a, b, x, 0.2, w),
+            lambda a, b, x, w: ref_gat(src, dst, n, a.reshape(n, 2), b.reshape(n, 2), x, 0.2, w),
+            [el, er, x, w])
+    cases = [
+        ("spmm", "torch_csr", lambda f: (lambda x: f(gi, x)), [x]),
+        ("spmm_mean", "torch_csr", lambda f: (lambda x: f(gi, x)), [x]),
+        ("spmm_norm", "torch", lambda f: (lambda d, x, b, r: f(gi, d, d, x.reshape(n, 6), b, "relu", r)),
+         [d, x, bias, res]),
+        ("sddmm_add", "torch", lambda f: (lambda a, b: f(gi, a, b)), [el, er]),
+        ("edge_softmax", "torch", lambda f: (lambda s: f(gi, s)), [w]),
+    ]
+    for primitive, ref_impl, call, inputs in cases:
+        compare(primitive, call(impls.IMPLEMENTATIONS[primitive]), call(get(primitive, ref_impl)),
+                inputs)
+    impls.register("triton_check")
+    assert get("spmm", "triton_check") is impls.spmm_triton
+
+
 CHECKS = {name[len("check_"):]: fn for name, fn in list(globals().items())
           if name.startswith("check_")}
 

@@ -24,7 +24,8 @@ export PYTHONUNBUFFERED=1
 "$py" - <<'PY' || { echo "granii: this Python lacks torch with CUDA or Triton" >&2; exit 2; }
 import torch, triton
 assert torch.cuda.is_available(), "no CUDA device"
-print(f"granii: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}")
+print(f"granii: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+      f"triton {triton.__version__}")
 PY
 timeout --signal=INT --kill-after=20 "$((budget + 60))" \
   "$py" bench/gpu_check.py --budget "$budget" --out "$out" "$@" 2>&1 | tee "$out/gpu_check.log"

@@ -161,12 +161,14 @@ def check_spmm_plain(dev):
                 x = torch.randn(n, width, device=dev)
                 want = dense(src, dst, n) @ x
                 for sched in ("rows", "segments", "auto"):
-                    close(spmm(g, x, schedule=sched), want, f"{gname}/{index_dtype}/{width}/{sched}")
+                    close(spmm(g, x, schedule=sched), want,
+                          f"{gname}/{index_dtype}/{width}/{sched}")
 
 
 def check_spmm_fused_grads(dev):
-    """Every epilogue at once, per-head edge values, both schedules: output and the gradients of
-    x, w, row and column scales, bias and residual against the reference (float32)."""
+    """Every epilogue at once, per-head edge values, both schedules (ReLU's mask in each): output
+    and the gradients of x, w, row and column scales, bias and residual against the reference
+    (float32)."""
     from granii.kernels.triton import spmm
     for gname in ("directed", "skewed", "empty"):
         g, src, dst, n = build(gname, dev)
@@ -179,16 +181,15 @@ def check_spmm_fused_grads(dev):
             c = torch.rand(n, generator=gen).to(dev) + 0.5
             bias = torch.randn(heads * dim, generator=gen).to(dev)
             res = torch.randn(n, heads * dim, generator=gen).to(dev)
-            for sched in ("rows", "segments"):
-                for relu in (False, True):
-                    def ours(x, w, r, c, bias, res):
-                        return spmm(g, x, w, r, c, bias, res, relu=relu,
-                                    schedule=sched).reshape(n, -1)
+            for sched, relu in (("rows", False), ("rows", True), ("segments", True)):
+                def ours(x, w, r, c, bias, res):
+                    return spmm(g, x, w, r, c, bias, res, relu=relu,
+                                schedule=sched).reshape(n, -1)
 
-                    def ref(x, w, r, c, bias, res):
-                        return ref_spmm(src, dst, n, x, w, r, c, bias, res, relu)
-                    compare(f"{gname}/h{heads}/{sched}/relu={relu}", ours, ref,
-                            [x, w, r, c, bias, res])
+                def ref(x, w, r, c, bias, res):
+                    return ref_spmm(src, dst, n, x, w, r, c, bias, res, relu)
+                compare(f"{gname}/h{heads}/{sched}/relu={relu}", ours, ref,
+                        [x, w, r, c, bias, res])
             # one weight per edge with a (n, F) x
             compare(f"{gname}/edge weights", lambda x, w: spmm(g, x, w),
                     lambda x, w: ref_spmm(src, dst, n, x.unsqueeze(1), w.unsqueeze(1)),
@@ -281,7 +282,7 @@ def check_gat(dev):
         g, src, dst, n = build(gname, dev)
         e = src.shape[0]
         gen = torch.Generator().manual_seed(10)
-        for heads, dim in ((1, 4), (3, 5)) if gname == "directed" else ((3, 5),):
+        for heads, dim in ((1, 4), (3, 5)) if gname == "directed" else ((2, 3),):
             el = torch.randn(n, heads, generator=gen).to(dev)
             er = torch.randn(n, heads, generator=gen).to(dev)
             feat = torch.randn(n, heads, dim, generator=gen).to(dev)
@@ -291,8 +292,8 @@ def check_gat(dev):
                 name = f"{gname}/h{heads}/w{wshape}"
                 compare(name, lambda el, er, feat, w, bias: gat(g, el, er, feat, 0.2, w, bias),
                         lambda el, er, feat, w, bias: ref_gat(
-                            src, dst, n, el, er, feat, 0.2, w if w is None or w.dim() > 1 else w.unsqueeze(1),
-                            bias),
+                            src, dst, n, el, er, feat, 0.2,
+                            w if w is None or w.dim() > 1 else w.unsqueeze(1), bias),
                         [el, er, feat, w, bias])
 
 
@@ -333,6 +334,30 @@ def check_graph_index(dev):
     close(spmm(g3, x), dense(src, dst, n) @ x, "from_csr")
 
 
+def check_model_widths(dev):
+    """The widths of the GPU check's models and kernels (so that their launch constants are among
+    those compiled ahead of time too): GCN-style SpMM at 16, 32 and 128 features with every
+    epilogue, forward and backward, in both schedules; the fused GAT at 8 heads x 16."""
+    from granii.kernels.triton import gat, spmm
+    g, src, dst, n = build("directed", dev)
+    gen = torch.Generator().manual_seed(13)
+    d = (torch.rand(n, generator=gen) + 0.5).to(dev)
+    for width in (16, 32, 128):
+        x = torch.randn(n, width, generator=gen).to(dev)
+        bias = torch.randn(width, generator=gen).to(dev)
+        for sched in ("rows", "segments"):
+            compare(f"k={width}/{sched}",
+                    lambda x, b: spmm(g, x, row_scale=d, col_scale=d, bias=b, relu=True,
+                                      schedule=sched),
+                    lambda x, b: ref_spmm(src, dst, n, x.unsqueeze(1), r=d, c=d, bias=b,
+                                          relu=True), [x, bias])
+    el, er = torch.randn(n, 8, generator=gen).to(dev), torch.randn(n, 8, generator=gen).to(dev)
+    feat = torch.randn(n, 8, 16, generator=gen).to(dev)
+    bias = torch.randn(128, generator=gen).to(dev)
+    compare("gat 8x16", lambda a, b, f, bb: gat(g, a, b, f, 0.2, bias=bb),
+            lambda a, b, f, bb: ref_gat(src, dst, n, a, b, f, 0.2, bias=bb), [el, er, feat, bias])
+
+
 def check_registry_calls(dev):
     """``impls``: the kernels behind the registry's calling convention (a ``GraphInfo``, edge
     values in edge order) give what the registry's torch implementations give, outputs and
@@ -364,7 +389,8 @@ def check_registry_calls(dev):
     cases = [
         ("spmm", "torch_csr", lambda f: (lambda x: f(gi, x)), [x]),
         ("spmm_mean", "torch_csr", lambda f: (lambda x: f(gi, x)), [x]),
-        ("spmm_norm", "torch", lambda f: (lambda d, x, b, r: f(gi, d, d, x.reshape(n, 6), b, "relu", r)),
+        ("spmm_norm", "torch",
+         lambda f: (lambda d, x, b, r: f(gi, d, d, x.reshape(n, 6), b, "relu", r)),
          [d, x, bias, res]),
         ("sddmm_add", "torch", lambda f: (lambda a, b: f(gi, a, b)), [el, er]),
         ("edge_softmax", "torch", lambda f: (lambda s: f(gi, s)), [w]),
@@ -378,6 +404,14 @@ def check_registry_calls(dev):
 
 CHECKS = {name[len("check_"):]: fn for name, fn in list(globals().items())
           if name.startswith("check_")}
+# under the interpreter (time) some checks run in one worker only; every kernel still runs in
+# both: the static run (strict interpreter) has the float64 gradchecks of the SpMM and the GAT
+# (forward and backward kernels) and the plain SpMM (int64 indices too); the dynamic run (the
+# form compiled for a GPU) compares the float32 gradients of every epilogue and of the GAT, the
+# calling conventions and the GPU check's widths. On a GPU every check runs in both.
+SKIPPED = "skipped: runs in the other worker under the interpreter"
+STATIC_ONLY = {"spmm_gradcheck", "gat_gradcheck", "spmm_plain"}
+DYNAMIC_ONLY = {"spmm_fused_grads", "gat", "model_widths", "registry_calls"}
 
 
 # -- the worker ------------------------------------------------------------------------------------
@@ -435,10 +469,9 @@ def worker(mode, dev):
             "the strict interpreter ran a loop bound loaded from memory"
     with recording() as launched:
         for name, fn in CHECKS.items():
-            if name.endswith("gradcheck") and mode == "dynamic" and dev == "cpu":
-                # float64 gradcheck once, in the static run (time); the dynamic run compares
-                # every backward kernel's float32 gradients with the references
-                results[name] = None
+            if dev == "cpu" and mode == "dynamic" and name in STATIC_ONLY or \
+                    dev == "cpu" and mode == "static" and name in DYNAMIC_ONLY:
+                results[name] = SKIPPED     # run in the other worker (interpreter time)
                 continue
             t0 = time.perf_counter()
             try:
@@ -492,7 +525,16 @@ def representative(signatures):
         chosen.append(sigs[-1])
         if _flags(sigs[0]) != _flags(sigs[-1]):
             chosen.append(sigs[0])
-    return chosen
+    # and the launches at the GPU check's widths (128 features; 8 heads x 16), once each
+    wide = {}
+    for sig in signatures:
+        consts = dict(sig[3])
+        if any(t == "*fp64" for _, t in sig[2]) or consts.get("BOUND", 0) != 0 and \
+                not consts.get("SEGMENTED"):
+            continue
+        if consts.get("BLOCK_F") == 128 or consts.get("DIM") == 16 or consts.get("BLOCK_H") == 8:
+            wide.setdefault((sig[1], consts.get("SEGMENTED")), sig)
+    return chosen + [s for s in wide.values() if s not in chosen]
 
 
 def _skip_reason():
@@ -542,6 +584,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("check", sorted(CHECKS))
 def test_kernels(runs, mode, check):
     error = runs[mode]["results"][check]
+    if error == SKIPPED:
+        pytest.skip(f"{check}: {SKIPPED}")
     assert error is None, f"{check} ({mode} loop bounds, {DEVICE}):\n{error}"
 
 

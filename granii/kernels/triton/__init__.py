@@ -13,10 +13,11 @@ once per graph):
 * ``gat``: GAT's scores, softmax, edge weights and aggregation fused, forward and backward, with an
   online softmax (``gat_kernels.py``).
 
-Each is a plain function over a ``torch.autograd.Function``. The kernels also run under Triton's
-interpreter (``TRITON_INTERPRET=1`` set before this package is imported, CPU tensors), which is how
-they are tested without a GPU; see ``graph.py`` for the loop-bound rule that keeps them within
-what every interpreter version runs.
+Each is a plain function over a ``torch.autograd.Function`` (``ops.py``; the kernels and their
+launch wrappers in ``*_kernels.py``, the registry's calling convention in ``impls.py``). The kernels
+also run under Triton's interpreter (``TRITON_INTERPRET=1`` set before this package is imported, CPU
+tensors), which is how they are tested without a GPU; see ``graph.py`` for the loop-bound rule that
+keeps them within what every interpreter version runs.
 
 ``available()`` says whether Triton can be imported; the kernels are imported on first use.
 """
@@ -35,8 +36,8 @@ def available():
     return major >= 3
 
 
-_EXPORTS = {"Csr": "graph", "CsrGraph": "graph", "spmm": "spmm_kernels", "sddmm_dot": "sddmm_kernels",
-            "sddmm_add": "sddmm_kernels", "edge_softmax": "softmax_kernels", "gat": "gat_kernels"}
+_EXPORTS = {"Csr": "graph", "CsrGraph": "graph", "spmm": "ops", "sddmm_dot": "ops",
+            "sddmm_add": "ops", "edge_softmax": "ops", "gat": "ops"}
 
 
 def __getattr__(name):

@@ -36,7 +36,6 @@ import triton.language as tl
 
 from granii.kernels.triton.graph import next_pow2
 from granii.kernels.triton.launch import launch
-from granii.kernels.triton.sddmm_kernels import row_sums
 
 
 @triton.jit
@@ -123,7 +122,8 @@ def gat_backward_kernel(t_indptr, t_indices, t_pos, el, er, feat, w, lse, dout, 
 def _blocks(dim):
     block_d = next_pow2(dim)
     if block_d > 1024:
-        raise ValueError(f"granii: the fused GAT kernel takes at most 1024 features a head, got {dim}")
+        raise ValueError(f"granii: the fused GAT kernel takes at most 1024 features a head, "
+                         f"got {dim}")
     return max(16, min(64, 4096 // block_d)), block_d
 
 
@@ -147,7 +147,7 @@ def gat_forward_csr(graph, el, er, feat, w, bias, slope):
 
 def gat_backward_csr(graph, el, er, feat, w, lse, dout, dsum, slope, need_w):
     """``(dfeat, del, dx_edge, dw_edge)``: ``dx_edge``/``dw_edge`` ``(nnz, H)`` in ``A``'s order
-    (``dw_edge`` None unless ``need_w``); ``der`` is ``row_sums(A, dx_edge)``."""
+    (``dw_edge`` None unless ``need_w``); ``der`` is their row sums (``ops.row_sums``)."""
     at = graph.at
     heads, dim = feat.shape[1], feat.shape[2]
     dfeat = torch.empty_like(feat)
@@ -163,54 +163,3 @@ def gat_backward_csr(graph, el, er, feat, w, lse, dout, dsum, slope, need_w):
            dict(DIM=dim, BOUND=at.bound(block_e), BLOCK_E=block_e, BLOCK_D=block_d,
                 HAS_W=w is not None, NEED_W=need_w))
     return dfeat, del_, dx_edge, dw_edge
-
-
-class GatFn(torch.autograd.Function):
-    """The fused GAT aggregation (module docstring), differentiable in ``el``, ``er``, ``feat``,
-    ``w`` (CSR order) and ``bias``."""
-
-    @staticmethod
-    def forward(ctx, el, er, feat, w, bias, graph, slope):
-        el, er, feat = el.contiguous(), er.contiguous(), feat.contiguous()
-        w = None if w is None else w.contiguous()
-        b = None if bias is None else bias.reshape(-1).contiguous()
-        out, lse = gat_forward_csr(graph, el, er, feat, w, b, slope)
-        ctx.graph, ctx.slope = graph, slope
-        ctx.bias_shape = None if bias is None else bias.shape
-        ctx.save_for_backward(el, er, feat, w, b, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        el, er, feat, w, b, out, lse = ctx.saved_tensors
-        graph = ctx.graph
-        dout = dout.contiguous()
-        o = out if b is None else out - b.reshape(1, *out.shape[1:])
-        dsum = (dout * o).sum(dim=2).contiguous()
-        need_w = w is not None and ctx.needs_input_grad[3]
-        dfeat, del_, dx_edge, dw_edge = gat_backward_csr(graph, el, er, feat, w, lse, dout, dsum,
-                                                         ctx.slope, need_w)
-        der = row_sums(graph.a, dx_edge) if ctx.needs_input_grad[1] else None
-        dbias = None
-        if b is not None and ctx.needs_input_grad[4]:
-            dbias = dout.sum(dim=0).reshape(ctx.bias_shape)
-        return del_, der, dfeat, dw_edge, dbias, None, None
-
-
-def gat(graph, el, er, feat, slope=0.2, edge_weight=None, bias=None):
-    """GAT's attention and aggregation (module docstring) on a ``CsrGraph``: ``el``
-    ``(num_src, H[, 1])``, ``er`` ``(num_dst, H[, 1])``, ``feat`` ``(num_src, H, D)``,
-    ``edge_weight`` in edge order, ``(E,)`` (one weight an edge) or ``(E, H)``, ``bias``
-    ``(H, D)`` or ``(H * D,)``. Returns ``(num_dst, H, D)``."""
-    heads = feat.shape[1]
-    el = el.reshape(graph.num_src, heads)
-    er = er.reshape(graph.num_dst, heads)
-    w = None
-    if edge_weight is not None:
-        per_head = edge_weight.numel() != graph.num_edges or (
-            edge_weight.dim() > 1 and edge_weight.shape[1] == heads and heads > 1)
-        w2 = edge_weight.reshape(graph.num_edges, heads if per_head else 1)
-        if w2.shape[1] == 1 and heads > 1:
-            w2 = w2.expand(graph.num_edges, heads)
-        w = graph.to_csr_order(w2)
-    return GatFn.apply(el, er, feat, w, bias, graph, float(slope))

@@ -3,18 +3,15 @@ functions of a ``GraphInfo`` ``gi`` with edge values in the graph's edge-id orde
 ``torch``, ``torch_csr``, ``dgl`` and ``native`` implementations are called.
 
 Nothing here is registered on import: the registry holds implementations a plan may pick on any
-input, and these run only on CUDA tensors (or CPU tensors under Triton's interpreter). ``register()``
-adds them as implementation ``"triton"`` of each primitive, for a dispatcher that picks
-implementations by the features' device.
+input, and these run only on CUDA tensors (or CPU tensors under Triton's interpreter).
+``register()`` adds them as implementation ``"triton"`` of each primitive, for a dispatcher that
+picks implementations by the features' device.
 
 The ``CsrGraph`` (CSR of ``A`` and ``A^T``) is made once per graph and device from ``gi.edges()``
 and kept in the graph's cache (``gi.memo``), on the features' device.
 """
-from granii.kernels.triton.gat_kernels import gat
 from granii.kernels.triton.graph import CsrGraph
-from granii.kernels.triton.sddmm_kernels import sddmm_add
-from granii.kernels.triton.softmax_kernels import edge_softmax
-from granii.kernels.triton.spmm_kernels import spmm
+from granii.kernels.triton.ops import edge_softmax, gat, sddmm_add, spmm
 
 
 def csr_graph(gi, device):
@@ -91,8 +88,8 @@ def edge_softmax_triton(gi, e):
 
 
 def gat_aggregate_triton(gi, el, er, feat, slope, edge_weight=None, bias=None):
-    """GAT's attention and aggregation fused (``gat_kernels``); arguments as ``gat_aggregate``'s
-    other implementations (``granii/kernels/native_gat.py``)."""
+    """GAT's attention and aggregation fused (``gat_kernels``, ``ops.gat``); arguments as
+    ``gat_aggregate``'s other implementations (``granii/kernels/native_gat.py``)."""
     g = csr_graph(gi, feat.device)
     return gat(g, el, er, feat, slope, edge_weight, bias)
 

@@ -2,11 +2,11 @@
 
 ``launch(kernel, grid, args, consts)`` runs ``kernel[grid](*args, **consts)``. While a
 ``recording()`` block is open it also notes each distinct launch signature (the pointer dtypes,
-integer widths and compile-time constants), and ``compile_signatures(...)``, in another process, compiles every noted
-signature for a GPU with Triton's own compiler (to PTX and a cubin with the ``ptxas`` that ships
-with Triton): a machine without a GPU, running the kernels under the interpreter, can still check
-that the compiled form of the very same launches builds (the interpreter is more lenient than the
-compiler about types and shapes).
+integer widths and compile-time constants), and ``compile_signatures(...)``, in another process,
+compiles every noted signature for a GPU with Triton's own compiler (to PTX and a cubin with the
+``ptxas`` that ships with Triton): a machine without a GPU, running the kernels under the
+interpreter, can still check that the compiled form of the very same launches builds (the
+interpreter is more lenient than the compiler about types and shapes).
 """
 import contextlib
 

@@ -2,13 +2,14 @@
 
 For each CSR entry ``j`` of ``A`` (edge ``u -> v``: row ``v``, column ``u``) and head ``h``::
 
-    dot: out[j, h] = sum_{d < D} P[v, h D + d] * Q[u, h D + d]     (P: (num_dst, H D), Q: (num_src, H D))
+    dot: out[j, h] = sum_{d < D} P[v, h D + d] * Q[u, h D + d]   (P: (num_dst, H D),
+                                                                  Q: (num_src, H D))
     add: out[j, h] = a[u, h] + b[v, h]                             (GAT's scores el[u] + er[v])
 
 ``dot`` is the gradient of the edge values of ``Y = A_w X`` (``dw = <dY[v], X[u]>``) and the
 attention score of dot-product attention; ``add`` is GAT's ``u_add_v``. Edges are independent:
-the work is balanced by edges whatever the degrees. Gradients (``SddmmDotFn``, ``SddmmAddFn``),
-with ``G = dL/dout`` as per-head edge values::
+the work is balanced by edges whatever the degrees. Gradients (``ops.SddmmDotFn``,
+``ops.SddmmAddFn``), with ``G = dL/dout`` as per-head edge values::
 
     dot: dP = A_G Q,  dQ = A_G^T P        (weighted SpMM, ``spmm_kernels.spmm_csr``)
     add: da[u, h] = sum_{j: col u} G[j, h],  db[v, h] = sum_{j in row v} G[j, h]
@@ -87,72 +88,3 @@ def sddmm_add_csr(csr, a, b):
            [csr.row_of, csr.indices, a, b, out, csr.nnz, heads],
            dict(BLOCK_E=block_e, BLOCK_H=block_h))
     return out
-
-
-def row_sums(csr, vals, schedule="rows"):
-    """``out[v, h] = sum_{j in row v} vals[j, h]`` (``vals`` ``(nnz, H)`` in ``csr``'s order): the
-    weighted SpMM of a column of ones per head."""
-    from granii.kernels.triton.spmm_kernels import spmm_csr
-    heads = vals.shape[1]
-    ones = torch.ones(csr.cols, heads, dtype=vals.dtype, device=vals.device)
-    return spmm_csr(csr, ones, vals.contiguous(), schedule=schedule)
-
-
-class SddmmDotFn(torch.autograd.Function):
-    """``out[j, h] = <P[v, h], Q[u, h]>`` in ``A``'s CSR order, differentiable in ``p``, ``q``."""
-
-    @staticmethod
-    def forward(ctx, p, q, graph, heads):
-        ctx.graph, ctx.heads = graph, heads
-        ctx.save_for_backward(p, q)
-        return sddmm_dot_csr(graph.a, p, q, heads)
-
-    @staticmethod
-    def backward(ctx, g):
-        from granii.kernels.triton.spmm_kernels import choose_schedule, spmm_csr
-        p, q = ctx.saved_tensors
-        graph = ctx.graph
-        g = g.contiguous()
-        dp = dq = None
-        if ctx.needs_input_grad[0]:
-            dp = spmm_csr(graph.a, q, g, schedule=choose_schedule(graph.a))
-        if ctx.needs_input_grad[1]:
-            dq = spmm_csr(graph.at, p, g.index_select(0, graph.pos.long()),
-                          schedule=choose_schedule(graph.at))
-        return dp, dq, None, None
-
-
-class SddmmAddFn(torch.autograd.Function):
-    """``out[j, h] = a[u, h] + b[v, h]`` in ``A``'s CSR order, differentiable in ``a``, ``b``."""
-
-    @staticmethod
-    def forward(ctx, a, b, graph):
-        ctx.graph = graph
-        return sddmm_add_csr(graph.a, a, b)
-
-    @staticmethod
-    def backward(ctx, g):
-        graph = ctx.graph
-        g = g.contiguous()
-        da = db = None
-        if ctx.needs_input_grad[0]:
-            da = row_sums(graph.at, g.index_select(0, graph.pos.long()))
-        if ctx.needs_input_grad[1]:
-            db = row_sums(graph.a, g)
-        return da, db, None
-
-
-def sddmm_dot(graph, p, q, heads=1):
-    """``out[e, h] = <P[v, h], Q[u, h]>`` for each edge ``e = u -> v`` (edge order), ``(E, heads)``.
-    ``p`` ``(num_dst, F)`` or ``(num_dst, H, D)``, ``q`` the same for ``num_src``."""
-    out = SddmmDotFn.apply(p.reshape(p.shape[0], -1), q.reshape(q.shape[0], -1), graph, heads)
-    return graph.to_edge_order(out)
-
-
-def sddmm_add(graph, a, b):
-    """``out[e, h] = a[u, h] + b[v, h]`` for each edge ``e = u -> v`` (edge order), ``(E, H)``.
-    ``a`` ``(num_src, H)`` or ``(num_src,)``, ``b`` likewise for ``num_dst``."""
-    a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
-    out = SddmmAddFn.apply(a2, b2, graph)
-    out = graph.to_edge_order(out)
-    return out if a.dim() > 1 else out.reshape(-1)

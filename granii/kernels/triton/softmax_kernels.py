@@ -10,7 +10,8 @@ maximum grows (``l <- l exp(m_old - m_new) + sum exp(s - m_new)``, the online so
 pass writes ``a``. Backward, with ``G = dL/da``: ``ds[j, h] = a[j, h] (G[j, h] - sum_{j' in row
 v} a[j', h] G[j', h])`` (one row sum, then a write), the same two-pass shape.
 The running maximum starts at -3e38, not -inf, so that
-``exp(m_old - m_new)`` is never ``exp(-inf + inf)``. Loop bounds as in ``graph`` (``BOUND``: 0 for the row's own length, else static).
+``exp(m_old - m_new)`` is never ``exp(-inf + inf)``. Loop bounds as in ``graph`` (``BOUND``: 0
+for the row's own length, else static).
 """
 import torch
 import triton
@@ -96,30 +97,3 @@ def edge_softmax_backward_csr(csr, a, g):
     launch(edge_softmax_backward_kernel, (csr.rows,), [csr.indptr, a, g, ds, heads],
            dict(BOUND=csr.bound(block_e), BLOCK_E=block_e, BLOCK_H=block_h))
     return ds
-
-
-class EdgeSoftmaxFn(torch.autograd.Function):
-    """Edge softmax in ``A``'s CSR order; saves its output for the backward."""
-
-    @staticmethod
-    def forward(ctx, s, graph):
-        a = edge_softmax_csr(graph.a, s)
-        ctx.graph = graph
-        ctx.save_for_backward(a)
-        return a
-
-    @staticmethod
-    def backward(ctx, g):
-        (a,) = ctx.saved_tensors
-        return edge_softmax_backward_csr(ctx.graph.a, a, g), None
-
-
-def edge_softmax(graph, s):
-    """Softmax of the edge scores ``s`` (edge order, ``(E,)`` or ``(E, H)``) over each destination's
-    in-edges; same shape and order back."""
-    heads = 1
-    for size in s.shape[1:]:
-        heads *= size
-    s2 = graph.to_csr_order(s.reshape(graph.num_edges, heads))
-    a = graph.to_edge_order(EdgeSoftmaxFn.apply(s2, graph))
-    return a.reshape(s.shape)

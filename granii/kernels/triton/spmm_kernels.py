@@ -21,11 +21,12 @@ Two schedules compute the same sums:
   ``bias + R`` and ``act`` to those rows only. Every program does bounded work, whatever the
   degree distribution, and the loop bound is the compile-time ``SEG``.
 
-Autograd (``SpmmFn``), with ``P = dL/dY`` masked by ``Y > 0`` under ReLU::
+Autograd (``ops.SpmmFn``), with ``P = dL/dY`` masked by ``Y > 0`` under ReLU::
 
     dX    = diag(c) M_w^T diag(r) P        (the same kernel on the transpose, r and c swapped,
                                             values in its CSR order: w[pos])
-    dw_jh = r[v] c[u] <P[v, h], X[u, h]>   for entry j = (v, u): an SDDMM (``sddmm_kernels.sddmm_dot``)
+    dw_jh = r[v] c[u] <P[v, h], X[u, h]>   for entry j = (v, u): an SDDMM
+                                           (``sddmm_kernels.sddmm_dot_csr``)
     dbias = sum_v P[v];   dR = P
     dr[v] = <P[v], (M_w diag(c) X)[v]>;    dc[u] = <X[u], (M_w^T diag(r) P)[u]>
 """
@@ -172,74 +173,3 @@ def choose_schedule(csr):
         return "rows"
     mean = csr.nnz / csr.rows
     return "segments" if csr.max_len > max(4 * SEG, 16 * mean) else "rows"
-
-
-class SpmmFn(torch.autograd.Function):
-    """``Y = act(diag(r) A_w diag(c) X + bias + R)`` and its gradients in ``x``, ``w`` (CSR order),
-    ``r``, ``c``, ``bias`` and ``R`` (module docstring). ``graph``: a ``CsrGraph``."""
-
-    @staticmethod
-    def forward(ctx, x, w, r, c, bias, res, graph, relu, schedule):
-        y = spmm_csr(graph.a, x, w, r, c, bias, res, relu, schedule)
-        ctx.graph, ctx.relu, ctx.schedule = graph, relu, schedule
-        ctx.save_for_backward(x, w, r, c, y if relu else None)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        from granii.kernels.triton.sddmm_kernels import sddmm_dot_csr
-        x, w, r, c, y = ctx.saved_tensors
-        g = ctx.graph
-        p = dy.contiguous()
-        if ctx.relu:
-            p = torch.where(y > 0, p, torch.zeros((), dtype=p.dtype, device=p.device))
-        need_x, need_w, need_r, need_c, need_b, need_res = ctx.needs_input_grad[:6]
-        dx = dw = dr = dc = dbias = dres = None
-        w_t = None if w is None else w.index_select(0, g.pos.long())
-        sched = choose_schedule(g.at)
-        if need_x or need_c:
-            # A_w^T diag(r) P, then diag(c) (and dc) from it
-            t = spmm_csr(g.at, p, w_t, None, r, schedule=sched)
-            if need_c:
-                dc = (x * t).sum(dim=1)
-            if need_x:
-                dx = t if c is None else t * c.reshape(-1, 1)
-        if need_r:
-            s = spmm_csr(g.a, x, w, None, c, schedule=ctx.schedule)
-            dr = (p * s).sum(dim=1)
-        if need_w:
-            heads = w.shape[1]
-            pv = p if r is None else p * r.reshape(-1, 1)
-            xu = x if c is None else x * c.reshape(-1, 1)
-            dw = sddmm_dot_csr(g.a, pv, xu, heads)
-        if need_b:
-            dbias = p.sum(dim=0)
-        if need_res:
-            dres = p
-        return dx, dw, dr, dc, dbias, dres, None, None, None
-
-
-def spmm(graph, x, w=None, row_scale=None, col_scale=None, bias=None, residual=None, relu=False,
-         schedule="auto"):
-    """``Y = act(diag(row_scale) A_w diag(col_scale) X + bias + residual)`` on a ``CsrGraph``,
-    differentiable in every tensor argument.
-
-    ``x``: ``(num_src, F)`` or ``(num_src, H, D)``; ``w``: edge values in edge order, ``(E,)`` or
-    ``(E, H)`` (per head: ``x``'s columns split into ``H`` heads), or None for ``A`` itself;
-    ``row_scale`` ``(num_dst,)``, ``col_scale`` ``(num_src,)``, ``bias`` ``(F,)``, ``residual``
-    ``(num_dst, F)``. Returns ``(num_dst, ...)`` in ``x``'s trailing shape. ``schedule``:
-    ``"rows"``, ``"segments"`` or ``"auto"`` (``choose_schedule``)."""
-    shape = x.shape
-    x2 = x.reshape(shape[0], -1)
-    w2 = None
-    if w is not None:
-        heads = w[0].numel() if w.shape[0] else (w.shape[1] if w.dim() > 1 else 1)
-        w2 = graph.to_csr_order(w.reshape(graph.num_edges, heads))
-    if residual is not None:
-        residual = residual.reshape(graph.num_dst, -1)
-    if bias is not None:
-        bias = bias.reshape(-1)
-    if schedule == "auto":
-        schedule = choose_schedule(graph.a)
-    y = SpmmFn.apply(x2, w2, row_scale, col_scale, bias, residual, graph, relu, schedule)
-    return y.reshape(graph.num_dst, *shape[1:])

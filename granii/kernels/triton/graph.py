@@ -53,9 +53,9 @@ def next_pow2(n):
 
 def _segments(indptr, seg):
     """Work items of at most ``seg`` edges: every row is one item, a row longer than ``seg`` is
-    split into ``ceil(deg / seg)`` items. Returns ``(row, start, end, whole, split_rows)``: item ``i``
-    covers CSR entries ``start[i] .. end[i]`` of row ``row[i]``; ``whole[i]`` says the item is its
-    row's only one (it may then apply the epilogue and store), else it adds its partial sum
+    split into ``ceil(deg / seg)`` items. Returns ``(row, start, end, whole, split_rows)``: item
+    ``i`` covers CSR entries ``start[i] .. end[i]`` of row ``row[i]``; ``whole[i]`` says the item
+    is its row's only one (it may then apply the epilogue and store), else it adds its partial sum
     atomically and ``split_rows`` (the rows with several items) get the epilogue afterwards.
     Rows without edges are items too (their result is the epilogue of zero)."""
     ip = indptr.long()

@@ -16,7 +16,7 @@ from granii.kernels.triton.spmm_kernels import choose_schedule, spmm_csr
 # -- SpMM ------------------------------------------------------------------------------------------
 class SpmmFn(torch.autograd.Function):
     """``Y = act(diag(r) A_w diag(c) X + bias + R)`` and its gradients in ``x``, ``w`` (CSR order),
-    ``r``, ``c``, ``bias`` and ``R`` (module docstring). ``graph``: a ``CsrGraph``."""
+    ``r``, ``c``, ``bias`` and ``R`` (``spmm_kernels``). ``graph``: a ``CsrGraph``."""
 
     @staticmethod
     def forward(ctx, x, w, r, c, bias, res, graph, relu, schedule):
@@ -182,7 +182,7 @@ def edge_softmax(graph, s):
 
 # -- GAT -------------------------------------------------------------------------------------------
 class GatFn(torch.autograd.Function):
-    """The fused GAT aggregation (module docstring), differentiable in ``el``, ``er``, ``feat``,
+    """The fused GAT aggregation (``gat_kernels``), differentiable in ``el``, ``er``, ``feat``,
     ``w`` (CSR order) and ``bias``."""
 
     @staticmethod
@@ -214,7 +214,7 @@ class GatFn(torch.autograd.Function):
 
 
 def gat(graph, el, er, feat, slope=0.2, edge_weight=None, bias=None):
-    """GAT's attention and aggregation (module docstring) on a ``CsrGraph``: ``el``
+    """GAT's attention and aggregation (``gat_kernels``) on a ``CsrGraph``: ``el``
     ``(num_src, H[, 1])``, ``er`` ``(num_dst, H[, 1])``, ``feat`` ``(num_src, H, D)``,
     ``edge_weight`` in edge order, ``(E,)`` (one weight an edge) or ``(E, H)``, ``bias``
     ``(H, D)`` or ``(H * D,)``. Returns ``(num_dst, H, D)``."""

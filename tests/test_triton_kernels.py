@@ -310,6 +310,39 @@ def check_gat_gradcheck(dev):
               "gat")
 
 
+def check_bipartite_and_no_nodes(dev):
+    """Sources and destinations of different counts (a sampled block's shape: 5 sources, 2
+    destinations, a source without out-edges), and a graph without nodes: SpMM, SDDMM, softmax
+    and GAT, outputs and gradients."""
+    from granii.kernels.triton import CsrGraph, edge_softmax, gat, sddmm_dot, spmm
+    src = torch.tensor([0, 1, 2, 3, 1], device=dev)
+    dst = torch.tensor([1, 0, 1, 1, 1], device=dev)
+    g = CsrGraph.from_coo(src, dst, 5, 2)
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(5, 2, 3, generator=gen).to(dev)
+    w = torch.rand(5, 2, generator=gen).to(dev)
+    compare("block spmm", lambda x, w: spmm(g, x, w).reshape(2, -1),
+            lambda x, w: ref_spmm(src, dst, 2, x, w), [x, w])
+    p = torch.randn(2, 2, 3, generator=gen).to(dev)
+    compare("block sddmm", lambda p, x: sddmm_dot(g, p, x, 2),
+            lambda p, x: (p[dst] * x[src]).sum(-1), [p, x])
+    compare("block softmax", lambda s: edge_softmax(g, s), lambda s: ref_softmax(dst, 2, s), [w])
+    el = torch.randn(5, 2, generator=gen).to(dev)
+    er = torch.randn(2, 2, generator=gen).to(dev)
+    compare("block gat", lambda a, b, f: gat(g, a, b, f), lambda a, b, f: ref_gat(
+        src, dst, 2, a, b, f, 0.2), [el, er, x])
+    none = torch.zeros(0, dtype=torch.long, device=dev)
+    g0 = CsrGraph.from_coo(none, none, 0, 0)
+    x0 = torch.randn(0, 4, device=dev, requires_grad=True)
+    for sched in ("rows", "segments"):
+        y = spmm(g0, x0, bias=torch.zeros(4, device=dev), relu=True, schedule=sched)
+        y.sum().backward()
+        assert y.shape == (0, 4) and x0.grad.shape == (0, 4)
+    assert gat(g0, torch.zeros(0, 2, device=dev), torch.zeros(0, 2, device=dev),
+               torch.zeros(0, 2, 3, device=dev)).shape == (0, 2, 3)
+    assert edge_softmax(g0, torch.zeros(0, 2, device=dev)).shape == (0, 2)
+
+
 def check_graph_index(dev):
     """The CSR, its transpose and the permutations between edge order and CSR orders."""
     g, src, dst, n = build("directed", dev)

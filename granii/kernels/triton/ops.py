@@ -13,6 +13,15 @@ from granii.kernels.triton.softmax_kernels import edge_softmax_backward_csr, edg
 from granii.kernels.triton.spmm_kernels import choose_schedule, spmm_csr
 
 
+def _rows(t, n=None):
+    """``t`` of shape ``(n, ...)`` as ``(n, K)``, ``K`` the product of the rest (also when
+    ``n`` is 0, where ``reshape(n, -1)`` cannot tell ``K``)."""
+    width = 1
+    for size in t.shape[1:]:
+        width *= size
+    return t.reshape(t.shape[0] if n is None else n, width)
+
+
 # -- SpMM ------------------------------------------------------------------------------------------
 class SpmmFn(torch.autograd.Function):
     """``Y = act(diag(r) A_w diag(c) X + bias + R)`` and its gradients in ``x``, ``w`` (CSR order),
@@ -69,13 +78,12 @@ def spmm(graph, x, w=None, row_scale=None, col_scale=None, bias=None, residual=N
     ``(num_dst, F)``. Returns ``(num_dst, ...)`` in ``x``'s trailing shape. ``schedule``:
     ``"rows"``, ``"segments"`` or ``"auto"`` (``choose_schedule``)."""
     shape = x.shape
-    x2 = x.reshape(shape[0], -1)
+    x2 = _rows(x)
     w2 = None
     if w is not None:
-        heads = w[0].numel() if w.shape[0] else (w.shape[1] if w.dim() > 1 else 1)
-        w2 = graph.to_csr_order(w.reshape(graph.num_edges, heads))
+        w2 = graph.to_csr_order(_rows(w, graph.num_edges))
     if residual is not None:
-        residual = residual.reshape(graph.num_dst, -1)
+        residual = _rows(residual, graph.num_dst)
     if bias is not None:
         bias = bias.reshape(-1)
     if schedule == "auto":
@@ -139,14 +147,14 @@ class SddmmAddFn(torch.autograd.Function):
 def sddmm_dot(graph, p, q, heads=1):
     """``out[e, h] = <P[v, h], Q[u, h]>`` for each edge ``e = u -> v`` (edge order), ``(E, heads)``.
     ``p`` ``(num_dst, F)`` or ``(num_dst, H, D)``, ``q`` the same for ``num_src``."""
-    out = SddmmDotFn.apply(p.reshape(p.shape[0], -1), q.reshape(q.shape[0], -1), graph, heads)
+    out = SddmmDotFn.apply(_rows(p), _rows(q), graph, heads)
     return graph.to_edge_order(out)
 
 
 def sddmm_add(graph, a, b):
     """``out[e, h] = a[u, h] + b[v, h]`` for each edge ``e = u -> v`` (edge order), ``(E, H)``.
     ``a`` ``(num_src, H)`` or ``(num_src,)``, ``b`` likewise for ``num_dst``."""
-    a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+    a2, b2 = _rows(a), _rows(b)
     out = SddmmAddFn.apply(a2, b2, graph)
     out = graph.to_edge_order(out)
     return out if a.dim() > 1 else out.reshape(-1)
@@ -172,10 +180,7 @@ class EdgeSoftmaxFn(torch.autograd.Function):
 def edge_softmax(graph, s):
     """Softmax of the edge scores ``s`` (edge order, ``(E,)`` or ``(E, H)``) over each destination's
     in-edges; same shape and order back."""
-    heads = 1
-    for size in s.shape[1:]:
-        heads *= size
-    s2 = graph.to_csr_order(s.reshape(graph.num_edges, heads))
+    s2 = graph.to_csr_order(_rows(s, graph.num_edges))
     a = graph.to_edge_order(EdgeSoftmaxFn.apply(s2, graph))
     return a.reshape(s.shape)
 

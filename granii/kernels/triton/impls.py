@@ -8,7 +8,8 @@ input, and these run only on CUDA tensors (or CPU tensors under Triton's interpr
 picks implementations by the features' device.
 
 The ``CsrGraph`` (CSR of ``A`` and ``A^T``) is made once per graph and device from ``gi.edges()``
-and kept in the graph's cache (``gi.memo``), on the features' device.
+and kept in the graph's cache (``gi.memo``), on the features' device; graph-derived operands a plan
+passes (degree vectors, edge values) are moved there too.
 """
 from granii.kernels.triton.graph import CsrGraph
 from granii.kernels.triton.ops import edge_softmax, gat, sddmm_add, spmm
@@ -44,7 +45,7 @@ def spmm_weighted_triton(gi, w, x):
     if heads > 1 and (x.dim() < 2 or x.shape[1] != heads):
         raise ValueError(f"granii: {heads}-head edge values need x of shape (n, {heads}[, k]), "
                          f"got {tuple(x.shape)}")
-    return spmm(csr_graph(gi, x.device), x, w.reshape(e, max(heads, 1)))
+    return spmm(csr_graph(gi, x.device), x, w.reshape(e, max(heads, 1)).to(x.device))
 
 
 def spmm_mean_triton(gi, x):
@@ -65,8 +66,9 @@ def spmm_norm_triton(gi, d_dst, d_src, x, bias=None, act=None, res=None):
     width = _width_of(x)
     by_row = res is not None and res.dim() >= 2 and res.shape[0] == gi.num_dst \
         and res[0:1].numel() == width and res.dtype == x.dtype
-    d_dst = None if d_dst is None else d_dst.reshape(-1).to(x.dtype)
-    d_src = None if d_src is None else d_src.reshape(-1).to(x.dtype)
+    # degree vectors are graph data: a plan may hold them where the graph's index lives
+    d_dst = None if d_dst is None else d_dst.reshape(-1).to(device=x.device, dtype=x.dtype)
+    d_src = None if d_src is None else d_src.reshape(-1).to(device=x.device, dtype=x.dtype)
     if res is not None and not by_row:
         y = spmm(g, x, row_scale=d_dst, col_scale=d_src, bias=bias) + res
         return y.relu() if act == "relu" else y
@@ -91,6 +93,8 @@ def gat_aggregate_triton(gi, el, er, feat, slope, edge_weight=None, bias=None):
     """GAT's attention and aggregation fused (``gat_kernels``, ``ops.gat``); arguments as
     ``gat_aggregate``'s other implementations (``granii/kernels/native_gat.py``)."""
     g = csr_graph(gi, feat.device)
+    if edge_weight is not None:
+        edge_weight = edge_weight.to(feat.device)
     return gat(g, el, er, feat, slope, edge_weight, bias)
 
 

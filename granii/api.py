@@ -68,6 +68,9 @@ def find_layers(model, graph=None, feats=None, extra_args=(), extra_kwargs=None)
     pyg = _pyg_layers(model, graph, feats, extra_args, extra_kwargs or {})
     if pyg is not None:
         return pyg
+    known = _dgl_layers(model)
+    if known is not None:
+        return known
     return graph_receivers(model, lambda: _call_model(model, graph, feats, extra_args,
                                                       extra_kwargs or {}))
 
@@ -86,6 +89,40 @@ def _pyg_layers(model, graph, feats, extra_args, extra_kwargs):
         elif _holds_graph(m):
             dgl_held = True
     return _innermost(found) if found and not dgl_held else None
+
+
+# DGL's graph layers: their forward takes the graph, and they call their own submodules with
+# tensors only (``apply_func``, ``fc``, ``gate_nn``), so the innermost of them receive the graph
+_DGL_LAYER_MODULES = ("dgl.nn.pytorch.conv.", "dgl.nn.pytorch.glob")
+
+
+def _dgl_layers(model):
+    """The innermost DGL graph layers of ``model`` (classes of DGL's ``conv`` and ``glob``
+    packages) when no other module could be a graph layer, without running the model: what the
+    run of ``graph_receivers`` would find, less a layer the run does not call (wrapped, never
+    run), without that run, a whole forward of DGL's layers that a first call paid twice.
+    ``None`` (the run decides) when some module outside DGL's layers, none of them below it,
+    takes two or more arguments, takes a first argument named like a graph, holds a graph or is
+    a PyG layer; or when the model holds DGL's relational containers (``HeteroGraphConv``
+    calls its submodules with graphs)."""
+    mods = list(model.named_modules())
+    found = [n for n, m in mods if type(m).__module__.startswith(_DGL_LAYER_MODULES)]
+    if not found:
+        return None
+
+    def below(name, root):
+        return root == "" or name.startswith(root + ".")
+    for name, m in mods:
+        if type(m).__module__.startswith("dgl.nn.pytorch.hetero"):
+            return None
+        if name in found or any(below(name, f) for f in found) \
+                or any(below(f, name) for f in found if f != name):
+            continue             # a DGL layer, inside one, or above one: not innermost
+        params = _forward_params(m)
+        if (len(params) >= 2 or (params and params[0] in _GRAPH_ARG_NAMES)
+                or _holds_graph(m) or is_pyg_layer(m)):
+            return None
+    return _innermost([(n, m) for n, m in mods if n in found])
 
 
 def _holds_graph(module):

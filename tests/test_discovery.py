@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from granii import granii
-from granii.api import find_layers, what_ran
+from granii.api import find_layers, graph_receivers, what_ran
 
 RTOL = 1e-4
 
@@ -374,3 +374,69 @@ def test_finding_the_layers_leaves_the_model_and_the_random_numbers_as_found():
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+# -- DGL's layers found without a run -----------------------------------------------------------------
+class DGLNet(nn.Module):
+    """DGL's layers with a user MLP inside one and plain modules around them."""
+
+    def __init__(self, user_layer=None):
+        super().__init__()
+        from dgl.nn import GINConv, GraphConv, SumPooling
+        self.a = GraphConv(8, 16)
+        self.b = GINConv(nn.Sequential(nn.Linear(16, 4), nn.ReLU()), "sum")
+        self.norm = nn.LayerNorm(16)
+        self.pool = SumPooling()
+        self.user = user_layer
+
+    def forward(self, g, x):
+        h = self.norm(F.relu(self.a(g, x)))
+        if self.user is not None:
+            h = self.user(g, h)
+        return self.b(g, h), self.pool(g, h)
+
+
+class UserConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, graph, h):
+        with graph.local_scope():
+            graph.ndata["h"] = h
+            graph.update_all(fn.copy_u("h", "m"), fn.sum("m", "h"))
+            return graph.ndata["h"]
+
+
+def _forward_runs(model, monkeypatch):
+    runs = []
+    real = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, *a: runs.append(1) or real(self, *a))
+    return runs
+
+
+def test_a_model_of_dgls_layers_has_them_found_by_class_without_a_run(monkeypatch):
+    """No module but DGL's layers could receive a graph: they are found by their class, and
+    granii() runs the model once (to decide), not twice; what is found is what the run finds."""
+    g = dgl.add_self_loop(dgl.rand_graph(30, 90))
+    x = torch.randn(30, 8)
+    model = DGLNet()
+    by_run = [n for n, _ in graph_receivers(model, lambda: model(g, x))]
+    assert [n for n, _ in find_layers(model, g, x)] == by_run == ["a", "b", "pool"]
+    ref = copy.deepcopy(model)
+    runs = _forward_runs(model, monkeypatch)
+    granii(model, g, x)
+    assert len(runs) == 1
+    with torch.no_grad():
+        for got, want in zip(model(g, x), ref(g, x)):
+            assert_close(got, want, "output")
+
+
+def test_a_user_layer_beside_dgls_is_found_by_the_run(monkeypatch):
+    g = dgl.add_self_loop(dgl.rand_graph(30, 90))
+    x = torch.randn(30, 8)
+    model = DGLNet(UserConv())
+    assert [n for n, _ in find_layers(model, g, x)] == ["a", "b", "pool", "user"]
+    runs = _forward_runs(model, monkeypatch)
+    granii(model, g, x)
+    assert len(runs) == 2                      # the run that finds the layers, and the decision
+    assert what_ran(model)["user"].kind in ("plan", "original")

@@ -126,10 +126,13 @@ def test_a_replaced_linear_is_seen():
             torch.testing.assert_close(layer(g, x), ref(g, x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["unlowered", "hooked"])
+@pytest.mark.parametrize("case", ["unlowered", "hooked", "widening"])
 def test_what_cannot_be_read_inline_stays_one_call_of_the_submodule(case):
+    """A forward not lowered, a module with a hook, and an MLP whose first map widens the
+    features (nothing that pays moves before the aggregation: GIN on small graphs' labels)."""
     g, x = _graph(seed=4), torch.randn(60, 10)
-    mlp = SortMLP(10, 6) if case == "unlowered" else GINMLP(10, 6, 6)
+    mlp = {"unlowered": SortMLP(10, 6), "hooked": GINMLP(10, 6, 6),
+           "widening": GINMLP(10, 16, 16)}[case]
     calls = []
     ref = GINConv(copy.deepcopy(mlp), "sum").eval()
     if case == "hooked":

@@ -97,6 +97,7 @@ class Interpreter:
         self.where = None         # the user-defined function being read, None in forward
         self.udfs = []            # message, reduce and apply-edges functions read (by role)
         self.inlined = {}         # id(submodule) -> its dotted path, while its forward is read
+        self.inline_inputs = []   # [input, (in, out) of the first nn.Linear applied to it]
 
     # -- entry -------------------------------------------------------------------------------
     def run(self, bound):

@@ -670,6 +670,9 @@ def call_function(it, func, args, kwargs, node):
     if name == "expand_as_pair" and modname.startswith("dgl"):
         return expand_as_pair(it, args[0], args[1], node)
     if isinstance(func, nn.Linear) and isinstance(args[0], Tensor):
+        for site in it.inline_inputs:            # the first map of a submodule read inline
+            if site[0] is args[0] and site[1] is None:
+                site[1] = (func.in_features, func.out_features)
         return linear(it, func, args[0], node)
     if isinstance(func, nn.Identity) or _is_identity_dropout(it, func):
         return args[0]
@@ -738,9 +741,13 @@ def inline_submodule(it, module, x, node):
     ``MLP(A' H) = lin2(relu(norm((A' H) W1)))`` re-associates to ``A' (H W1)``: the aggregation
     at the hidden width instead of the input's. Its ``self.x`` reads are the layer's
     ``path.x`` (``module_attr``: what the plan assumes of them is checked as for the layer's
-    own). ``None``, with nothing of the attempt kept, when the call must stay one ``Apply``:
-    a module of a library (torch's own are lowered by their rules), one with hooks or its own
-    ``__call__``, or a forward the frontend does not lower."""
+    own). Only when that first step is an ``nn.Linear`` that narrows the features: otherwise
+    nothing can move before the aggregation that pays (a plan would aggregate at the input's
+    width anyway), and the module's own call costs less than its steps run one by one (GIN on
+    batches of small graphs, 7 -> 16 features: 5% slower inline). ``None``, with nothing of the
+    attempt kept, when the call stays one ``Apply``: such a module, a module of a library
+    (torch's own are lowered by their rules), one with hooks or its own ``__call__``, or a
+    forward the frontend does not lower."""
     cls = type(module)
     path = _module_path(it, module)
     if (path is None or id(module) in it.inlined or not udf._own_code(cls.forward)
@@ -748,6 +755,8 @@ def inline_submodule(it, module, x, node):
         return None
     snap = it.snapshot()
     it.inlined[id(module)] = path
+    frame = [x, None]                            # the input, and (in, out) of its first map
+    it.inline_inputs.append(frame)
     try:
         fn = udf.user_function(module.forward, node, "submodule")
         out = it.call_user(fn, [x], {}, f"{path}:{cls.__name__}", node)
@@ -755,7 +764,9 @@ def inline_submodule(it, module, x, node):
         out = None
     finally:
         del it.inlined[id(module)]
-    if not isinstance(out, Tensor) or out.ndim != 2:
+        it.inline_inputs.remove(frame)
+    narrows = frame[1] is not None and frame[1][1] < frame[1][0]
+    if not isinstance(out, Tensor) or out.ndim != 2 or not narrows:
         it.restore(snap)
         return None
     it.config[path] = config_summary(module)

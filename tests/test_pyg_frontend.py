@@ -53,24 +53,33 @@ def _grads(out, inputs, seed=0):
     return torch.autograd.grad((out * r).sum(), inputs, allow_unused=True)
 
 
-def check_every_plan(layer, x, graph, *rest, atol=1e-4, **kwargs):
+def check_every_plan(layer, x, graph, *rest, atol=1e-4, seed=None, **kwargs):
     """Every promoted plan with every kernel that runs on an index graph equals PyG's forward in
     output and in the gradients of ``x``, the parameters and tensor arguments that require them.
+    With ``seed``, PyG's forward and each plan run under that seed, and each plan leaves the
+    random number generator as PyG's forward leaves it (the same draws, in the same number).
     Returns the number of (plan, kernels) run."""
     tensors = [x] + [t for t in list(rest) + list(kwargs.values())
                      if isinstance(t, torch.Tensor) and t.requires_grad]
     grad = torch.is_grad_enabled()
     original = copy.deepcopy(layer)        # PyG's forward fills the caches of cached layers
     inputs = tensors + [p for p in original.parameters() if p.requires_grad]
+    if seed is not None:
+        torch.manual_seed(seed)
     ref = original(x, graph, *rest, **kwargs)
+    after = torch.get_rng_state()
     ref_grads = _grads(ref, inputs) if grad else None
     prepared = pyg.prepare(layer, x, graph, *rest, **kwargs)
     inputs = tensors + [p for p in layer.parameters() if p.requires_grad]
     choices = pyg.plan_choices(prepared)
     assert choices, "no plan runs on an index graph"
     for plan, impls in choices:
+        if seed is not None:
+            torch.manual_seed(seed)
         out = pyg.run(prepared, plan, impls)
         what = f"plan {plan.index} ({plan.composition()}) with {impls}"
+        if seed is not None:
+            assert torch.equal(torch.get_rng_state(), after), f"{what}: other random draws"
         torch.testing.assert_close(out, ref, atol=atol, rtol=1e-4, msg=lambda m: f"{what}: {m}")
         if not grad:
             continue

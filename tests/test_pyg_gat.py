@@ -12,7 +12,7 @@ pyg_nn = pytest.importorskip("torch_geometric.nn")
 from granii import pyg  # noqa: E402
 from granii.costmodel import AnalyticalCost  # noqa: E402
 from granii.pyg import FrontendError  # noqa: E402
-from test_pyg_frontend import _as_inputs, _grads, _graph  # noqa: E402
+from test_pyg_frontend import _as_inputs, _grads, _graph, check_every_plan  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*native kernels.*")
 warnings.filterwarnings("ignore", message=".*Sparse invariant checks.*")
@@ -44,32 +44,7 @@ def check_plans_seeded(layer, x, graph, seed=7, atol=1e-4):
     """Every plan choice equals PyG's forward called under the same seed: outputs, gradients of
     ``x`` and of every parameter, and the random number generator's state after the call (the
     same draws, in the same number). Returns the number of (plan, kernels) run."""
-    grad = torch.is_grad_enabled()
-    original = copy.deepcopy(layer)
-    torch.manual_seed(seed)
-    ref = original(x, graph)
-    after = torch.get_rng_state()
-    inputs = [x] + [p for p in original.parameters()]
-    ref_grads = _grads(ref, inputs) if grad else None
-    prepared = pyg.prepare(layer, x, graph)
-    choices = pyg.plan_choices(prepared)
-    assert choices, "no plan runs on an index graph"
-    inputs = [x] + [p for p in layer.parameters()]
-    for plan, impls in choices:
-        torch.manual_seed(seed)
-        out = pyg.run(prepared, plan, impls)
-        what = f"plan {plan.index} ({plan.composition()}) with {impls}"
-        assert torch.equal(torch.get_rng_state(), after), f"{what}: other random draws"
-        torch.testing.assert_close(out, ref, atol=atol, rtol=1e-4, msg=lambda m: f"{what}: {m}")
-        if not grad:
-            continue
-        for g, rg in zip(_grads(out, inputs), ref_grads):
-            if rg is None or g is None:
-                assert (g is None or not g.abs().sum()) and (rg is None or not rg.abs().sum())
-                continue
-            torch.testing.assert_close(g, rg, atol=atol, rtol=1e-4,
-                                       msg=lambda m: f"{what}, gradient: {m}")
-    return len(choices)
+    return check_every_plan(layer, x, graph, atol=atol, seed=seed)
 
 
 @pytest.mark.parametrize("graph", GRAPHS)

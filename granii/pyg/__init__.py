@@ -52,13 +52,13 @@ def bind_values(layer, args, kwargs):
 
 def unsupported_input(values, feat, graph):
     """Why a call cannot run a plan (a string), or ``None``."""
+    from ..runtime.bind import unsupported_features
     x, g = values.get(feat), values.get(graph)
-    if not isinstance(x, torch.Tensor):
-        return f"features of type {type(x).__name__} (a pair of tensors is not optimized yet)"
-    if x.dim() != 2:
-        return f"features with {x.dim()} dimensions (only N x k features are optimized)"
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        return f"features of dtype {x.dtype} on {x.device} (float32 on CPU is optimized)"
+    if isinstance(x, (tuple, list)):
+        return "a pair of (source, target) features is not optimized yet"
+    why = unsupported_features(x)
+    if why is not None:
+        return why
     if input_kind(g) is None:
         return (f"a graph given as {type(g).__name__}: PyG's edge_index [2, E], EdgeIndex or a "
                 "torch.sparse adjacency are read")

@@ -609,17 +609,8 @@ def edge_updater(it, args, kwargs, node):
         if n in kwargs:
             given[n] = kwargs[n]
         elif n[-2:] in ("_i", "_j") and n[:-2] in kwargs:
-            v = kwargs[n[:-2]]
-            side = "src" if n[-2:] == "_j" else "dst"
-            if isinstance(v, (tuple, list)):
-                v = v[0] if side == "src" else v[1]
-            if v is None:
-                given[n] = None
-            elif isinstance(v, Tensor) and v.node.rows == "N" and v.ndim in (2, 3):
-                given[n] = Gathered(v, side, g)
-            else:
-                it.fail(node, f"edge_update argument '{n}' of {type(v).__name__}",
-                        "only rows of N x k node tensors are lowered")
+            given[n] = _rows_at_side(it, n, kwargs, g, node, lambda v: v.ndim in (2, 3),
+                                     "edge_update argument")
         elif n in ("index", "edge_index_i"):
             given[n] = NodeIndex(g, "dst")
         elif n == "edge_index_j":
@@ -640,6 +631,23 @@ def edge_updater(it, args, kwargs, node):
     return out
 
 
+def _rows_at_side(it, name, kwargs, g, node, shaped, role):
+    """``x_j`` / ``x_i`` as PyG collects it from ``propagate``'s keyword ``x``: the rows of ``x``
+    (of ``x[0]`` / ``x[1]`` for a pair) at the sources / targets, ``None`` for ``None``; only
+    an N-row tensor that is ``shaped`` is lowered."""
+    v = kwargs[name[:-2]]
+    side = "src" if name[-2:] == "_j" else "dst"
+    if isinstance(v, (tuple, list)):
+        v = v[0] if side == "src" else v[1]
+    if v is None:
+        return None
+    if not isinstance(v, Tensor):
+        it.fail(node, f"{role} '{name}' of {type(v).__name__}", "not lowered")
+    if v.node.rows != "N" or not shaped(v):
+        it.fail(node, f"{role} '{name}'", "rows of a tensor that is not N x k (or N x heads x k)")
+    return Gathered(v, side, g)
+
+
 def _collect(it, fn, g, kwargs, node, skip=0):
     """The arguments of ``message`` (or ``update``) as PyG collects them from ``propagate``'s
     keyword arguments: ``x_j`` / ``x_i`` the rows of ``x`` (or of ``x[0]`` / ``x[1]``) at the
@@ -651,19 +659,8 @@ def _collect(it, fn, g, kwargs, node, skip=0):
         if n in kwargs:
             out[n] = kwargs[n]
         elif n[-2:] in ("_i", "_j") and n[:-2] in kwargs:
-            v = kwargs[n[:-2]]
-            side = "src" if n[-2:] == "_j" else "dst"
-            if isinstance(v, (tuple, list)):
-                v = v[0] if side == "src" else v[1]
-            if v is None:
-                out[n] = None
-            elif isinstance(v, Tensor):
-                if v.node.rows != "N" or not (v.ndim == 2 or v.ndim == 3 and it.heads):
-                    it.fail(node, f"argument '{n}'", "rows of a tensor that is not N x k "
-                            "(or N x heads x k)")
-                out[n] = Gathered(v, side, g)
-            else:
-                it.fail(node, f"argument '{n}' of {type(v).__name__}", "not lowered")
+            out[n] = _rows_at_side(it, n, kwargs, g, node,
+                                   lambda v: v.ndim == 2 or v.ndim == 3 and it.heads, "argument")
         elif n in ("edge_index", "adj_t"):
             out[n] = g
         elif n in _INDEX_ARGS:

@@ -125,6 +125,12 @@ def _unsupported_input(graph, feat):
         return "a heterogeneous graph (more than one node or edge type) is not optimized yet"
     if isinstance(feat, (tuple, list)):
         return "a pair of (source, destination) features is not optimized yet"
+    return unsupported_features(feat)
+
+
+def unsupported_features(feat):
+    """Why features ``feat`` cannot go through a plan (a string), or ``None``: plans take one
+    float32 CPU tensor of N x k (either framework)."""
     if not isinstance(feat, torch.Tensor):
         return f"features of type {type(feat).__name__}"
     if feat.dim() != 2:

@@ -527,18 +527,25 @@ def _base_class(module):
                 and c.__module__.startswith("torch_geometric"))
 
 
-def propagate(it, args, kwargs, node):
-    """``self.propagate(edge_index, size=None, **kwargs)``: messages, aggregation, update."""
-    mod, kwargs = it.module, dict(kwargs)
+def _call_graph(it, what, args, kwargs, node, not_the_calls):
+    """The graph of ``self.propagate(edge_index, size=None, **kwargs)`` (or ``edge_updater``),
+    taken out of ``kwargs`` with ``size``: the call's own graph, square (``size=None``)."""
     if len(args) > 2:
-        it.fail(node, "propagate with more than two positional arguments", "not lowered")
+        it.fail(node, f"{what} with more than two positional arguments", "not lowered")
     g = args[0] if args else kwargs.pop("edge_index", None)
     size = args[1] if len(args) > 1 else kwargs.pop("size", None)
     if size is not None:
-        it.fail(node, "propagate with a size", "only square graphs (size=None) are lowered")
+        it.fail(node, f"{what} with a size", "only square graphs (size=None) are lowered")
     if not isinstance(g, PygGraph):
-        it.fail(node, "propagate over a graph that is not the call's", "a graph the layer "
-                "cached in an earlier call of its own forward (cached=True) is not lowered")
+        it.fail(node, f"{what} over a graph that is not the call's", not_the_calls)
+    return g
+
+
+def propagate(it, args, kwargs, node):
+    """``self.propagate(edge_index, size=None, **kwargs)``: messages, aggregation, update."""
+    mod, kwargs = it.module, dict(kwargs)
+    g = _call_graph(it, "propagate", args, kwargs, node, "a graph the layer cached in an "
+                    "earlier call of its own forward (cached=True) is not lowered")
     for hooks in ("_propagate_forward_pre_hooks", "_propagate_forward_hooks",
                   "_message_forward_pre_hooks", "_message_forward_hooks",
                   "_aggregate_forward_pre_hooks", "_aggregate_forward_hooks",
@@ -584,14 +591,7 @@ def edge_updater(it, args, kwargs, node):
     CSR pointer of a sparse adjacency groups the edges the same way), ``dim_size`` the number
     of nodes); it must return attention values, one per edge and head."""
     mod, kwargs = it.module, dict(kwargs)
-    if len(args) > 2:
-        it.fail(node, "edge_updater with more than two positional arguments", "not lowered")
-    g = args[0] if args else kwargs.pop("edge_index", None)
-    size = args[1] if len(args) > 1 else kwargs.pop("size", None)
-    if size is not None:
-        it.fail(node, "edge_updater with a size", "only square graphs (size=None) are lowered")
-    if not isinstance(g, PygGraph):
-        it.fail(node, "edge_updater over a graph that is not the call's", "not lowered")
+    g = _call_graph(it, "edge_updater", args, kwargs, node, "not lowered")
     for hooks in ("_edge_update_forward_pre_hooks", "_edge_update_forward_hooks"):
         if getattr(mod, hooks, None):
             it.fail(node, f"edge_updater with {hooks.strip('_').replace('_', ' ')}",

@@ -41,6 +41,21 @@ SEG = 64          # edges per work item of the ``segments`` schedule (read at ea
 
 
 @triton.jit
+def epilogue(acc, row, f, fmask, bias, res, F, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+             RELU: tl.constexpr):
+    """``act(acc + bias + R[row])`` over the columns ``f`` of one row: the fused epilogue of a
+    whole row (``spmm_kernel``) and of a split row once its pieces are summed
+    (``finish_rows_kernel``)."""
+    if HAS_BIAS:
+        acc += tl.load(bias + f, mask=fmask, other=0.0)
+    if HAS_RES:
+        acc += tl.load(res + row * F + f, mask=fmask, other=0.0)
+    if RELU:
+        acc = tl.maximum(acc, 0.0)
+    return acc
+
+
+@triton.jit
 def spmm_kernel(indptr, seg_row, seg_start, seg_end, seg_whole, indices, w, rs, cs, x, bias, res,
                 y, F, D, H, SEGMENTED: tl.constexpr, BOUND: tl.constexpr, BLOCK_E: tl.constexpr,
                 BLOCK_F: tl.constexpr, HAS_W: tl.constexpr, HAS_RS: tl.constexpr,
@@ -80,13 +95,7 @@ def spmm_kernel(indptr, seg_row, seg_start, seg_end, seg_whole, indices, w, rs, 
         acc += tl.sum(xv, axis=0)
     if HAS_RS:
         acc = acc * tl.load(rs + row)
-    done = acc
-    if HAS_BIAS:
-        done += tl.load(bias + f, mask=fmask, other=0.0)
-    if HAS_RES:
-        done += tl.load(res + row * F + f, mask=fmask, other=0.0)
-    if RELU:
-        done = tl.maximum(done, 0.0)
+    done = epilogue(acc, row, f, fmask, bias, res, F, HAS_BIAS, HAS_RES, RELU)
     if SEGMENTED:
         flag = tl.load(seg_whole + item)
         tl.store(y + row * F + f, done, mask=fmask & (flag != 0))
@@ -103,13 +112,8 @@ def finish_rows_kernel(rows, bias, res, y, F, BLOCK_F: tl.constexpr,
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     fmask = f < F
     acc = tl.load(y + row * F + f, mask=fmask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias + f, mask=fmask, other=0.0)
-    if HAS_RES:
-        acc += tl.load(res + row * F + f, mask=fmask, other=0.0)
-    if RELU:
-        acc = tl.maximum(acc, 0.0)
-    tl.store(y + row * F + f, acc, mask=fmask)
+    tl.store(y + row * F + f, epilogue(acc, row, f, fmask, bias, res, F, HAS_BIAS, HAS_RES, RELU),
+             mask=fmask)
 
 
 def _blocks(width):

@@ -44,16 +44,24 @@ native_status() {
 
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "granii: setting up $venv from $(basename "$lock") (first time: about 3-5 minutes)..." >&2
-  # The lock holds torch's CUDA build (about 5 GB installed): no wheel cache, so the disk holds one copy
+  # The lock holds torch's CUDA build (about 5 GB installed): no wheel cache, so the disk holds one
+  # copy, and the large wheels one pip call each, since pip keeps every wheel it downloaded until it
+  # exits (all at once: 3 GB more at the peak)
   free_kb="$(df -Pk "$(dirname "$venv")" | awk 'NR==2 {print $4}')"
-  if [ "${free_kb:-0}" -lt 6000000 ]; then
-    echo "granii: only $((free_kb / 1024)) MB free beside $venv; the environment needs about 6 GB." \
+  if [ "${free_kb:-0}" -lt 6500000 ]; then
+    echo "granii: only $((free_kb / 1024)) MB free beside $venv; the environment needs about 6.5 GB." \
          "Free some disk, or set GRANII_VENV (GRANII_VENV_CURRENT for the current stack) to a" \
          "directory on a larger disk, and run this again." >&2
     exit 1
   fi
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check -r "$lock" >&2
+  pip_install() { "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check "$@" >&2; }
+  # an environment from an older lock may hold xgboost, whose files xgboost-cpu would overwrite
+  "$venv/bin/python" -m pip uninstall -q -y xgboost >/dev/null 2>&1 || true
+  for req in $(grep -E '^(torch|triton|nvidia-|cuda-)[a-z0-9-]*==' "$lock"); do
+    pip_install --no-deps "$req"
+  done
+  pip_install -r "$lock"
   # the package without the extension, then the extension as the rebuild below makes it: ninja
   # reuses the object files of this torch's earlier build (build/<temp>/torch-<version>), where
   # pip's editable build would compile everything again in a folder of its own

@@ -187,12 +187,6 @@ class _DictClock(BackwardClock):
     """``BackwardClock`` over every output of a dict: the backward starts at the first output
     gradient and ends at the last gradient of the parameters and inputs."""
 
-    def __init__(self, outs, tensors, scale=1.0):
-        self.start = self.end = None
-        self.scale = scale
-        self.handles = [o.register_hook(self._first) for o in outs]
-        self.handles += [t.register_hook(self._stop) for t in tensors]
-
     @classmethod
     def of(cls, out, layer, inputs, scale=1.0):
         if not torch.is_grad_enabled():
@@ -203,10 +197,6 @@ class _DictClock(BackwardClock):
         tensors += [t for d in feats if isinstance(d, dict) for t in d.values()
                     if isinstance(t, torch.Tensor) and t.requires_grad]
         return cls(outs, tensors, scale) if outs and tensors else None
-
-    def _first(self, grad):
-        if self.start is None:
-            self.start = time.perf_counter()
 
 
 def hetero_dispatch(state, layer, g, inputs, mod_args, mod_kwargs, dgl_only=False, tune=False):

@@ -5,6 +5,7 @@ the backward ``dX = A^T dY`` uses a transpose built once per graph from ``gi.csr
 ``gi.cache`` (torch's own CSR backward re-transposes ``A`` on every call), and the edge-value
 gradient is the SDDMM ``dw_e = <dY[v], X[u]>`` (DGL's ``u_dot_v``, in edge order).
 """
+import sys
 import warnings
 import weakref
 
@@ -29,6 +30,9 @@ def _structure(gi):
     """
     def make():
         small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
+        native = sys.modules.get("granii.kernels.native")
+        if small and native is not None and native.available():
+            return _from_native(gi, native)
         cast = (lambda t: t.int()) if small else (lambda t: t)
         crow, col, perm = gi.csr_in()
         crow_t, col_t, perm_t = gi.csr_out()
@@ -37,6 +41,18 @@ def _structure(gi):
             "at": (cast(crow_t), cast(col_t), perm_t, (gi.num_src, gi.num_dst)),
         }
     return gi.memo("torch_csr_index", make)
+
+
+def _from_native(gi, native):
+    """``_structure`` read from the native kernels' index of the graph (``native.csr_index``),
+    which a new graph object builds in one counting sort over its edge list and the native plans
+    share: DGL's out-edge index and the casts cost a new batch several times that."""
+    out = {}
+    for which, size in (("a", (gi.num_dst, gi.num_src)), ("at", (gi.num_src, gi.num_dst))):
+        idx = native.csr_index(gi, which)
+        perm = torch.arange(gi.num_edges) if idx.eids is None else idx.eids.long()
+        out[which] = (idx.indptr.int(), idx.indices.int(), perm, size)
+    return out
 
 
 def _csr(index, values):

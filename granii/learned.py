@@ -471,7 +471,7 @@ class LearnedCost:
         t = np.exp(trees.predict(np.vstack(rows), np.array(margins)))
         tr = self.transfer if rescale else None
         if tr is not None:
-            t = np.array([tr.scale(prim, float(x)) for x in t])
+            t = np.array([tr.scale(prim, float(x), impl) for x in t])
         return t
 
 

@@ -410,7 +410,8 @@ def test_foreign_models_without_a_calibration_derive_it_from_their_predictions(
     with pytest.warns(learned.CostModelWarning):
         model = learned.default_cost_model(folder.parent)
     theirs = learned.model_calibration(load(folder, check=False))
-    assert set(theirs) == {"gemm", "sparse", "small"}      # row_scale/torch has no model here
+    # row_scale/torch and the native SpMM have no model here
+    assert set(theirs) == {"gemm", "sparse", "small", "sparse_torch_csr", "small_torch_csr"}
     assert theirs == calibration.predicted(load(folder, check=False))
     # a measured calibration fills in only what the models cannot predict
     manifest = json.loads((folder / "manifest.json").read_text())
@@ -430,7 +431,8 @@ def test_a_trained_folder_stores_its_predictions_of_the_reference_calls(copy_dir
     manifest = json.loads((copy_dir / MANIFEST).read_text())
     stored = calibration.stored_prediction(manifest)
     want = calibration.predicted(load(copy_dir, check=False))
-    assert stored is not None and set(stored) == set(want) == {"gemm", "sparse", "small"}
+    assert stored is not None and set(stored) == set(want) == {
+        "gemm", "sparse", "small", "sparse_torch_csr", "small_torch_csr"}
     assert stored == pytest.approx(want, rel=1e-6)
     calls = []
     real = calibration.predicted
@@ -528,6 +530,43 @@ def test_transfer_scales_small_calls_by_the_small_reference_and_large_by_their_c
     mid = t.scale("spmm", 1e-3)                                  # halfway in log time
     assert mid == pytest.approx(1e-3 * math.sqrt(3 * 2))
     assert t.scale("gat_aggregate", 1.0) == pytest.approx(2.0)   # sparse class
+
+
+def test_transfer_scales_a_sparse_kernel_by_the_references_of_its_own_implementation():
+    """Sparse kernels of different libraries change speed differently between processors (on
+    an Intel machine against the models' AMD one: DGL's SpMM 2.0x, the native one 3.0x): a
+    native kernel scales by the native references where both machines have them, by DGL's
+    otherwise, and a dense primitive by its class whatever its implementation."""
+    from granii.calibration import Transfer
+    theirs = {"small": 1e-4, "sparse": 1e-2, "gemm": 1e-2, "stream": 1e-2,
+              "small_native": 1e-4, "sparse_native": 1e-2}
+    here = {"small": 2e-4, "sparse": 2e-2, "gemm": 1e-2, "stream": 1e-2,
+            "small_native": 1e-4, "sparse_native": 3e-2}
+    t = Transfer(theirs, here)
+    assert t.scale("spmm", 1.0, "dgl") == pytest.approx(2.0)
+    assert t.scale("spmm", 1.0, "native") == pytest.approx(3.0)
+    assert t.scale("spmm", 1e-5, "native") == pytest.approx(1e-5)      # its small reference
+    assert t.scale("gat_aggregate", 1.0, "native") == pytest.approx(3.0)
+    assert t.scale("spmm", 1.0, "torch_csr") == pytest.approx(2.0)     # no references of its own
+    assert t.scale("gemm", 1.0, "native") == pytest.approx(1.0)
+    partial = Transfer({k: v for k, v in theirs.items() if k != "small_native"}, here)
+    assert partial.scale("spmm", 1.0, "native") == pytest.approx(2.0)  # both ends, or DGL's
+
+
+def test_calibration_measures_each_sparse_implementation_it_has():
+    """The calibration's reference calls include the native and torch CSR SpMM where those
+    kernels exist, with the same graphs and sizes as DGL's."""
+    from granii import calibration, kernels
+    ref = calibration.REFERENCE
+    for impl, suffix in calibration.IMPL_REFERENCE.items():
+        for name in ("sparse", "small"):
+            assert ref[name + suffix][:2] == ("spmm", impl)
+            assert ref[name + suffix][2:] == ref[name][2:]
+    assert set(calibration.CORE) < set(ref)
+    times = calibration.measure(repeat=1)
+    want = {n for n, (p, i, _, _) in ref.items() if i in kernels.implementations(p)}
+    assert set(times) == want and set(calibration.CORE) <= want
+    assert all(t > 0 for t in times.values())
 
 
 def test_models_of_this_machine_are_preferred_and_need_no_calibration(copy_dir, fake_calibration):

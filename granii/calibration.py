@@ -77,7 +77,8 @@ for _impl, _suffix in IMPL_REFERENCE.items():
 CORE = ("stream", "gemm", "sparse", "small")     # measured on every machine with DGL
 CLASS = {"gemm": "gemm", "head_gemm": "gemm", "row_scale": "stream", "add": "stream",
          "cat": "stream", "row_slice": "stream", "diag_mul": "stream"}
-FORMAT = 3              # 2: each sparse implementation's references; 3: timed in the pool
+FORMAT = 4              # 2: each sparse implementation's references; 3: timed in the pool;
+                        # 4: each call's runs in a row
 CONTENDED = 2e-3        # seconds of the small reference call beyond which the cores were busy
 QUIET_TRIES = 2         # measurements made before a contended machine's calibration is dropped
 QUIET_PAUSE = 0.5       # seconds between them
@@ -122,9 +123,12 @@ def _dims(prim, gi, sizes):
 
 
 def measure(repeat=7):
-    """``{name: seconds}``: the fastest of ``repeat`` runs of each reference call (after one
-    warm-up), the calls interleaved. Other processes on the cores only add time (a thread waiting
-    for a core), so the fastest run is the machine's own speed."""
+    """``{name: seconds}``: the fastest of ``repeat`` runs of each reference call in a row (after
+    one warm-up), as the profiler times the models' points: interleaved with the other reference
+    calls, the stream reference's 64 MiB came back from memory each time and took twice as long
+    (6.1 ms against 3.0 ms here), which priced every row operation of a plan, whose input the step
+    before has just written, twice too high. Other processes on the cores only add time (a thread
+    waiting for a core), so the fastest run is the machine's own speed."""
     if importlib.util.find_spec("dgl") is None:     # before anything is built or timed
         raise ImportError("No module named 'dgl'", name="dgl")
     import torch
@@ -152,10 +156,9 @@ def measure(repeat=7):
     pool.enter()
     try:
         with torch.no_grad():
-            for fn in fns.values():
+            for k, fn in fns.items():        # each call's runs in a row, as the profiler's
                 fn()
-            for _ in range(repeat):
-                for k, fn in fns.items():
+                for _ in range(repeat):
                     t0 = time.perf_counter()
                     fn()
                     samples[k].append(time.perf_counter() - t0)

@@ -401,3 +401,33 @@ def test_a_scaling_by_exactly_one_without_gradient_is_skipped():
         torch.testing.assert_close(layer(g, x), want)
         code = granii.explain(layer, file=open("/dev/null", "w"))
         assert "if is_one(scalar_eps) else row_scale" in code
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_torch_csr_index_read_from_the_native_index_is_dgls(shuffled):
+    """torch's CSR products read their index from the native one of the graph (a new batch
+    counts it from its edge list): the same entries, with the same DGL edge ids, as DGL's own
+    in- and out-edge indices, for edges stored in destination order and for shuffled ones."""
+    from granii.kernels import native, spmm
+    if not native.available():
+        pytest.skip("the native extension is not built")
+    dgl.seed(3)
+    g = dgl.rand_graph(300, 2500)
+    if not shuffled:
+        src, dst = g.edges()
+        order = torch.argsort(dst * 300 + src)
+        g = dgl.graph((src[order], dst[order]), num_nodes=300)
+    gi = graph_info(g)
+    made = spmm._from_native(gi, native)
+
+    def entries(crow, col, perm):
+        rows = torch.repeat_interleave(torch.arange(len(crow) - 1), (crow[1:] - crow[:-1]).long())
+        return sorted(zip(rows.tolist(), col.long().tolist(), perm.long().tolist()))
+
+    assert entries(*made["a"][:3]) == entries(*g.adj_tensors("csc"))
+    assert entries(*made["at"][:3]) == entries(*g.adj_tensors("csr"))
+    assert made["a"][3] == (300, 300) and made["a"][0].dtype == torch.int32
+    x = torch.randn(300, 8)
+    want = torch.zeros(300, 8).index_add_(0, g.edges()[1], x[g.edges()[0]])
+    a, _ = spmm.unit_csr(graph_info(g))
+    torch.testing.assert_close(a @ x, want)

@@ -30,6 +30,7 @@ mean loss in the last epoch, and each model's accuracy in the last evaluation pa
 Writes ``graph_classification.csv`` and ``graph_classification.md`` under ``--out``.
 """
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -163,21 +164,39 @@ def collate(items):
     return g, feat, torch.tensor([lab for _, lab in items])
 
 
+def _pair(name, seed):
+    """``(data, rng, train_idx, val_idx, model, optimizer maker, loss)``: the data set, its 90/10
+    split (``rng`` then draws the batches) and DGL's model, seeded, as both runs start them."""
+    data = dataset(name, seed)
+    rng = np.random.default_rng(seed + 1)
+    perm = rng.permutation(len(data))
+    n_val = len(data) // 10
+    stats = DATASETS[name]
+    torch.manual_seed(seed)
+    model = GIN(stats["labels"], 16, stats["classes"])
+    return data, rng, perm[n_val:], perm[:n_val], model
+
+
+@contextlib.contextmanager
+def _rng_of(gen):
+    """torch's global generator in the state of ``gen`` (each copy draws its own dropout masks,
+    the same sequence for both), then back; ``gen`` keeps where the draws left it."""
+    state = torch.get_rng_state()
+    torch.set_rng_state(gen.get_state())
+    try:
+        yield
+    finally:
+        gen.set_state(torch.get_rng_state())
+        torch.set_rng_state(state)
+
+
 def run_one(name, epochs, seed=0):
     """Train and evaluate both copies in turns; a dict of the figures."""
     from granii import granii
     from granii.runtime.dispatch import layer_states
     torch.set_num_threads(2)
-    data = dataset(name, seed)
-    labels = [lab for _, lab in data]
-    rng = np.random.default_rng(seed + 1)
-    perm = rng.permutation(len(data))
-    n_val = len(data) // 10
-    val_idx, train_idx = perm[:n_val], perm[n_val:]
-    stats = DATASETS[name]
-    torch.manual_seed(seed)
-    models = {"dgl": GIN(stats["labels"], 16, stats["classes"])}
-    models["granii"] = copy.deepcopy(models["dgl"])
+    data, rng, train_idx, val_idx, model = _pair(name, seed)
+    models = {"dgl": model, "granii": copy.deepcopy(model)}
     opts = {k: torch.optim.Adam(m.parameters(), lr=0.01) for k, m in models.items()}
     loss_fcn = nn.CrossEntropyLoss()
     t = {"dgl": {"train": 0.0, "eval": 0.0}, "granii": {"train": 0.0, "eval": 0.0}}
@@ -196,17 +215,14 @@ def run_one(name, epochs, seed=0):
                 g, feat, lab = collate(items)       # a new batch object for each copy
                 model, opt = models[which], opts[which]
                 model.train()
-                state = torch.get_rng_state()
-                torch.set_rng_state(rngs[which].get_state())   # the same dropout masks
-                s = time.perf_counter()
-                logits = model(g, feat)
-                loss = loss_fcn(logits, lab)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                t[which]["train"] += time.perf_counter() - s
-                rngs[which].set_state(torch.get_rng_state())
-                torch.set_rng_state(state)
+                with _rng_of(rngs[which]):                     # the same dropout masks
+                    s = time.perf_counter()
+                    logits = model(g, feat)
+                    loss = loss_fcn(logits, lab)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    t[which]["train"] += time.perf_counter() - s
                 losses[which] = loss.item()
                 last_loss[which] += losses[which]
             if epoch == 0:
@@ -252,15 +268,8 @@ def drift_one(name, epochs, seed=0, scale=1e-7):
     initial weights moved by ``scale`` of their mean magnitude (about a float re-association's
     error): how far two runs of one training drift apart, the yardstick for the last-epoch loss
     and accuracy ``run_one`` reports."""
-    data = dataset(name, seed)
-    rng = np.random.default_rng(seed + 1)
-    perm = rng.permutation(len(data))
-    n_val = len(data) // 10
-    val_idx, train_idx = perm[:n_val], perm[n_val:]
-    stats = DATASETS[name]
-    torch.manual_seed(seed)
-    models = {"a": GIN(stats["labels"], 16, stats["classes"])}
-    models["b"] = copy.deepcopy(models["a"])
+    data, rng, train_idx, val_idx, model = _pair(name, seed)
+    models = {"a": model, "b": copy.deepcopy(model)}
     with torch.no_grad():
         for p in models["b"].parameters():
             p.add_(scale * p.abs().mean() * torch.randn_like(p))
@@ -273,14 +282,11 @@ def drift_one(name, epochs, seed=0, scale=1e-7):
             for k, model in models.items():
                 g, feat, lab = collate(items)
                 model.train()
-                state = torch.get_rng_state()
-                torch.set_rng_state(rngs[k].get_state())
-                out = loss_fcn(model(g, feat), lab)
-                opts[k].zero_grad()
-                out.backward()
-                opts[k].step()
-                rngs[k].set_state(torch.get_rng_state())
-                torch.set_rng_state(state)
+                with _rng_of(rngs[k]):
+                    out = loss_fcn(model(g, feat), lab)
+                    opts[k].zero_grad()
+                    out.backward()
+                    opts[k].step()
                 loss[k] += out.item()
             steps += 1
         for idx in (train_idx, val_idx):

@@ -258,13 +258,22 @@ _CAPI = []
 def _dgl_capi():
     """``(created formats, edges, to tensor)``: the calls under DGL's ``g.formats()`` and
     ``g.edges(order="eid")`` (their Python wrappers cost 35 and 60 us of a new batch's first
-    call, the calls themselves 2 and 23), or ``None`` where this DGL has them not."""
+    call, the calls themselves 2 and 23), or ``None`` where this DGL has them not. The
+    conversion of an array to a tensor goes through DLPack directly: DGL's own
+    (``from_dgl_nd``) reads the array's shape through ctypes first, 15 us an array."""
     if not _CAPI:
         try:
             from dgl import heterograph_index as hi
             from dgl.backend import from_dgl_nd
+            from torch.utils.dlpack import from_dlpack
+
+            def to_tensor(array):
+                try:
+                    return from_dlpack(array.to_dlpack())
+                except (AttributeError, RuntimeError, TypeError):
+                    return from_dgl_nd(array)
             _CAPI.append((hi._CAPI_DGLHeteroGetCreatedFormats, hi._CAPI_DGLHeteroEdges,
-                          from_dgl_nd))
+                          to_tensor))
         except (ImportError, AttributeError):
             _CAPI.append(None)
     return _CAPI[0]

@@ -1,5 +1,7 @@
 """Every (primitive, implementation) of the kernel registry against dense or per-edge references,
 in outputs and in gradients, on directed, undirected, zero-in-degree, weighted multi- and block graphs."""
+import copy
+
 import dgl
 import pytest
 import torch
@@ -402,6 +404,31 @@ def test_a_scaling_by_exactly_one_without_gradient_is_skipped():
         code = granii.explain(layer, file=open("/dev/null", "w"))
         assert "if is_one(scalar_eps) else row_scale" in code
 
+
+
+def test_a_kept_scalar_follows_its_buffer():
+    """``1 + eps`` of a fixed eps buffer is kept between calls (``plan.scalar``), and computed
+    again when the buffer changes in place or is replaced: the layer's output follows DGL's."""
+    from dgl.nn import GINConv
+
+    from granii import granii
+    from granii.plan import is_one, scalar
+    layer = GINConv(torch.nn.Linear(6, 3), "sum", learn_eps=False)
+    first = scalar(layer, "eps", 1.0, 1.0)
+    assert scalar(layer, "eps", 1.0, 1.0) is first and is_one(first)
+    g = dgl.rand_graph(50, 200)
+    x = torch.randn(50, 6)
+    ref = copy.deepcopy(layer)
+    granii(layer, g, x)
+    for change in (lambda m: m.eps.fill_(0.25),
+                   lambda m: setattr(m, "eps", torch.full((1,), -0.5)),
+                   lambda m: m.eps.zero_()):
+        for m in (layer, ref):
+            change(m)
+        torch.testing.assert_close(layer(g, x), ref(g, x))
+    with torch.no_grad():
+        layer.eps.add_(2.0)
+    assert not is_one(scalar(layer, "eps", 1.0, 1.0))
 
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_torch_csr_index_read_from_the_native_index_is_dgls(shuffled):

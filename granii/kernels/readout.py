@@ -9,8 +9,9 @@ so a graph without nodes reads 0, as DGL's ``segment_reduce`` gives. ``dgl.batch
 of graph ``b`` contiguous (rows ``offsets[b]:offsets[b+1]`` of ``X``), so ``R`` is the CSR with
 row pointers ``offsets`` and column indices ``0 .. N-1``: the native SpMM sums each segment (a
 tenth of DGL's readout call on a batch of small graphs), and the gradient ``R^T C^-1 dY`` copies
-each graph's row of ``dY`` back to its nodes (``repeat_interleave``). Without the native kernels,
-or for dtypes they do not take, ``index_add_`` computes the same sum.
+each graph's row of ``dY`` back to its nodes (``index_select`` by the graph of each node, found
+once per batch). Without the native kernels, or for dtypes they do not take, ``index_add_``
+computes the same sum.
 """
 import torch
 
@@ -47,8 +48,9 @@ class _SegmentSum(torch.autograd.Function):
     """``Y = diag(scale) R X`` (``scale`` ``None``: ones), ``X`` ``(N, width)``."""
 
     @staticmethod
-    def forward(ctx, x, indptr, indices, counts, scale):
+    def forward(ctx, x, indptr, indices, counts, scale, gi):
         ctx.save_for_backward(counts, scale)
+        ctx.gi = gi
         n, width = x.shape
         y = torch.ops.granii.spmm_csr(indptr, indices, x.reshape(n, 1, width), None, None,
                                       scale, None, None, 0, 0, None)
@@ -59,7 +61,17 @@ class _SegmentSum(torch.autograd.Function):
         counts, scale = ctx.saved_tensors
         if scale is not None:
             gy = gy * scale.unsqueeze(1)
-        return gy.repeat_interleave(counts, dim=0), None, None, None, None
+        return gy.index_select(0, _graph_of_node(ctx.gi, counts)), None, None, None, None, None
+
+
+def _graph_of_node(gi, counts):
+    """The graph of each node of ``gi``'s batch (``R^T`` as an index: ``R^T dY = dY[graph]``),
+    once per batch: the readouts after every layer of a model share it."""
+    hit = gi.cache.get("readout_graph_of_node")
+    if hit is None or hit[0] is not counts:
+        hit = gi.cache["readout_graph_of_node"] = (
+            counts, torch.repeat_interleave(torch.arange(counts.numel()), counts))
+    return hit[1]
 
 
 def _readout(gi, x, mean):
@@ -70,7 +82,7 @@ def _readout(gi, x, mean):
     if (csr is not None and x.dtype in (torch.float32, torch.float64) and flat.shape[0] > 0
             and flat.shape[1] > 0):
         y = _SegmentSum.apply(flat.contiguous(), csr[0], csr[1], counts,
-                              None if scale is None else scale.contiguous())
+                              None if scale is None else scale.contiguous(), gi)
     else:
         graph_of_node = torch.repeat_interleave(torch.arange(g), counts)
         y = flat.new_zeros((g, flat.shape[1])).index_add_(0, graph_of_node, flat)

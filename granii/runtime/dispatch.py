@@ -261,6 +261,7 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
     trial.drop_slow()
     label, fn, order = trial.next()[:3]
     scale = _trial_scale(trial, call)
+    call, args, kwargs = _own_gradients(call, args, kwargs)
     t0 = time.perf_counter()
     out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
     seconds = (time.perf_counter() - t0) / scale
@@ -283,6 +284,27 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
         state.tuned = ([(lb, t * scale) for lb, t in trial.report()], per_graph[dkey][0])
         state.chosen[decision_key(call)] = _describe(per_graph[dkey], call)
     return out
+
+
+def _own_gradients(call, args, kwargs):
+    """``(call, args, kwargs)`` with each argument tensor that needs a gradient replaced by a
+    view of itself, for a measured turn in training. A hook on the tensor itself fires once its
+    gradient is complete, summed over every use of it in the model: where the layer's input
+    feeds other layers too (a readout after each layer), the backward clock then ran on through
+    theirs. The view's gradient is this call's contribution alone."""
+    if not torch.is_grad_enabled():
+        return call, args, kwargs
+    views = {}
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.requires_grad and id(a) not in views:
+            views[id(a)] = a.view_as(a)
+    if not views:
+        return call, args, kwargs
+
+    def swap(v):
+        return views.get(id(v), v) if isinstance(v, torch.Tensor) else v
+    call = dataclasses.replace(call, leaf_vals={k: swap(v) for k, v in call.leaf_vals.items()})
+    return call, tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
 
 
 def dispatcher_of(module):

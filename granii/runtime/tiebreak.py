@@ -15,8 +15,9 @@ TRIAL_FIRST_DROP = 4.0   # ... or whose untimed first call is this much slower t
 TRIAL_FIRST_EXCESS = 0.001  # ... and by this many seconds (beyond timer noise)
 ORIGINAL_MARGIN = 0.05   # a plan is kept over the layer's own forward when this much faster
 PLAN_MARGIN = 0.05       # ... and over the plan the cost model ranked first when this much faster
-TRIAL_CLOSE = 0.15       # candidates whose medians lie this close to the best one's ...
-TRIAL_MORE_ROUNDS = 9    # ... take this many timed calls each before one is kept (whole graphs)
+TRIAL_CLOSE = 0.15       # the fastest and the model's first choice, this close, ...
+TRIAL_MORE_ROUNDS = 7    # ... take this many timed calls each before one is kept (whole graphs)
+TRIAL_DROP_FAR = 3.0     # a candidate this much slower leaves after one timed call
 
 
 @dataclass
@@ -91,25 +92,27 @@ class Trial:
         self.pending.clear()
 
     def settled(self):
-        """Every candidate has its ``TRIAL_ROUNDS`` timed calls; on whole graphs, when the best
-        medians then lie within ``TRIAL_CLOSE`` of each other, the candidates that close go on to
-        ``TRIAL_MORE_ROUNDS`` (the others leave): on a small layer a call's time varies by a
-        fifth from call to call (measured on DGL's GIN example, where the first three calls
-        of plans that differ by a tenth in steady state ranked them either way), and the
-        median of three cannot tell them apart. On sampled blocks each turn is another block,
-        and the turns stay as few as they are."""
+        """Every candidate has its ``TRIAL_ROUNDS`` timed calls. On whole graphs, when the
+        fastest median is not the plan the cost model ranked first but lies within
+        ``TRIAL_CLOSE`` of it, those two go on to ``TRIAL_MORE_ROUNDS`` (the others leave)
+        before the measurement overrules the model: on a small layer a call's time varies by a
+        fifth from call to call (measured on DGL's GIN example, where the first three calls of
+        plans that differ by a tenth in steady state ranked them either way), and the median of
+        three cannot tell them apart. Where the model's choice measures fastest, or far from
+        fastest, three are enough. On sampled blocks each turn is another block, and the turns
+        stay as few as they are."""
         if not all(len(self.times.get(c[0], ())) >= self.warm + TRIAL_ROUNDS
                    for c in self.candidates):
             return False
         if self.warm == 0 or len(self.candidates) < 2:
             return True
         med = self.medians()
-        best = min(med[c[0]] for c in self.candidates)
-        close = [c for c in self.candidates if med[c[0]] <= (1 + TRIAL_CLOSE) * best]
-        if len(close) < 2:
+        best = min(self.candidates, key=lambda c: med[c[0]])
+        first = next((c for c in self.candidates if c[0] == self.predicted), None)
+        if first is None or best is first or med[first[0]] > (1 + TRIAL_CLOSE) * med[best[0]]:
             return True
-        self.dropped += [c for c in self.candidates if c not in close]
-        self.candidates = close
+        self.dropped += [c for c in self.candidates if c is not best and c is not first]
+        self.candidates = [c for c in self.candidates if c is best or c is first]
         return all(len(self.times.get(c[0], ())) >= self.warm + TRIAL_MORE_ROUNDS
                    for c in self.candidates)
 
@@ -126,7 +129,7 @@ class Trial:
     def drop_slow(self):
         """Take out the candidates whose fastest timed call (after the untimed first, if any)
         exceeds ``TRIAL_DROP`` times another's fastest, once each has two timed calls (one on
-        sampled blocks); before that, those
+        sampled blocks; after one, only those ``TRIAL_DROP_FAR`` times slower); before that, those
         whose untimed first call exceeds ``TRIAL_FIRST_DROP`` times another's fastest timed
         call and by ``TRIAL_FIRST_EXCESS`` seconds. On sampled blocks (no untimed call) a
         candidate leaves after its first call when that is over ``TRIAL_DROP_ONE`` times
@@ -142,14 +145,15 @@ class Trial:
             if (len(ts) == 1 and others and ts[0] > TRIAL_FIRST_DROP * min(others)
                     and ts[0] - min(others) > TRIAL_FIRST_EXCESS):
                 slow.append(c)
-        # on whole graphs two timed calls each: the first calls of a training run are slowed
-        # at random by half and more (the process warming up), one call each is no verdict
-        timed = self.warm + (2 if self.warm else 1)
-        if len(best) == len(self.candidates) >= 2 and all(
-                len(self.times[c[0]]) >= timed for c in self.candidates):
+        # on whole graphs two timed calls each, unless ``TRIAL_DROP_FAR`` slower: the first
+        # calls of a training run are slowed at random by half and more (the process warming
+        # up), one call each is no verdict on a factor of 1.5
+        if len(best) == len(self.candidates) >= 2:
             floor = min(best.values())
             once = self.warm == 0 and any(len(self.times[c[0]]) == 1 for c in self.candidates)
             factor = TRIAL_DROP_ONE if once else TRIAL_DROP
+            if self.warm and any(len(self.times[c[0]]) < self.warm + 2 for c in self.candidates):
+                factor = max(factor, TRIAL_DROP_FAR)
             slow += [c for c in self.candidates if best[c[0]] > factor * floor]
         self.dropped += slow
         self.candidates = [c for c in self.candidates if c not in slow]

@@ -1389,3 +1389,29 @@ def test_the_suite_fails_on_a_plan_that_raises():
     with pytest.raises(RuntimeWarning):
         warnings.warn("granii: layer 'conv': plan [0] raised ValueError: x; running the original "
                       "forward from now on for this input", RuntimeWarning)
+
+
+def test_a_training_turn_finds_the_backward_index_built():
+    """Every layer's backward on a graph reads the native index of ``A^T``; a measured turn in
+    training builds it before it is timed, so no candidate's time carries what the whole step
+    shares (on a new graph each step, the turn that happened to build it first paid for it)."""
+    from dgl.nn import GINConv
+
+    from granii.graph import graph_info
+    from granii.kernels import native
+    if not native.available():
+        pytest.skip("the native extension is not built")
+    g = dgl.rand_graph(300, 2400)
+    layer = GINConv(nn.Linear(8, 8), "sum")
+    x = torch.randn(300, 8, requires_grad=True)
+    granii(layer, g, x, cost_model=AnalyticalCost())
+    gi = graph_info(g)
+    gi.cache.pop(("native_csr", "at"), None)
+    out = layer(g, x)
+    assert layer_states(layer)[0].ran.reason == "a turn of the measured tie-break"
+    assert ("native_csr", "at") in gi.cache
+    out.sum().backward()
+    layer.eval()
+    gi.cache.pop(("native_csr", "at"), None)
+    layer(g, x)                              # no backward follows: nothing built for it
+    assert ("native_csr", "at") not in gi.cache

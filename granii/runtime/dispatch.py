@@ -11,7 +11,7 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
-from ..kernels import pool
+from ..kernels import native, pool
 from ..plan import REUSE
 from .bind import _UserError, _call_shape, prepare, recompute_key
 from .decide import _describe, decide, decision_key
@@ -262,6 +262,7 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
     label, fn, order = trial.next()[:3]
     scale = _trial_scale(trial, call)
     call, args, kwargs = _own_gradients(call, args, kwargs)
+    _shared_backward_index(call, layer)
     t0 = time.perf_counter()
     out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
     seconds = (time.perf_counter() - t0) / scale
@@ -305,6 +306,17 @@ def _own_gradients(call, args, kwargs):
         return views.get(id(v), v) if isinstance(v, torch.Tensor) else v
     call = dataclasses.replace(call, leaf_vals={k: swap(v) for k, v in call.leaf_vals.items()})
     return call, tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+
+
+def _shared_backward_index(call, layer):
+    """Before a measured turn in training, the native index of ``A^T`` of a whole graph: every
+    layer's backward on the graph reads it, and whichever call builds it first pays for it. On
+    a new graph each step (graph classification) that was the turn of the last layer in the
+    backward, or of a forward that reads it, so a turn's time depended on what the other layers
+    had run before it."""
+    if (layer.training and torch.is_grad_enabled() and not call.gi.is_block
+            and native.available()):
+        native.csr_index(call.gi, "at")
 
 
 def dispatcher_of(module):

@@ -84,8 +84,7 @@ def _readout(gi, x, mean):
         y = _SegmentSum.apply(flat.contiguous(), csr[0], csr[1], counts,
                               None if scale is None else scale.contiguous(), gi)
     else:
-        graph_of_node = torch.repeat_interleave(torch.arange(g), counts)
-        y = flat.new_zeros((g, flat.shape[1])).index_add_(0, graph_of_node, flat)
+        y = flat.new_zeros((g, flat.shape[1])).index_add_(0, _graph_of_node(gi, counts), flat)
         if scale is not None:
             y = y * scale.unsqueeze(1)
     return y.reshape(g, *x.shape[1:])

@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-FIELDS = ["section", "name", "variant", "mode", "ms", "peak_mib", "max_err", "ok", "note"]
+FIELDS = ["section", "name", "variant", "mode", "ms", "first100_ms", "peak_mib", "max_err", "ok",
+          "note"]
 
 
 class Run:
@@ -68,15 +69,18 @@ class Run:
         print(f"[{time.monotonic() - self.t0:6.1f} s] {msg}", flush=True)
 
     def row(self, section, name, variant, mode="", ms=None, peak=None, err=None, ok=None,
-            note=""):
+            note="", first100=None):
         r = dict(section=section, name=name, variant=variant, mode=mode,
-                 ms="" if ms is None else f"{ms:.3f}", peak_mib="" if peak is None else
+                 ms="" if ms is None else f"{ms:.3f}",
+                 first100_ms="" if first100 is None else f"{first100:.3f}",
+                 peak_mib="" if peak is None else
                  f"{peak:.0f}", max_err="" if err is None else f"{err:.2e}",
                  ok="" if ok is None else ("yes" if ok else "NO"), note=note)
         self.rows.append(r)
         self.say(f"  {section} {name} {variant} {mode}: "
                  + ", ".join(f"{k}={v}" for k, v in r.items()
-                             if k in ("ms", "peak_mib", "max_err", "ok", "note") and v))
+                             if k in ("ms", "first100_ms", "peak_mib", "max_err", "ok", "note")
+                             and v))
         return r
 
     def sync(self):
@@ -163,7 +167,32 @@ def kernel_checks(run):
                     note="" if ok else error.strip().splitlines()[-1][:300])
         run.say(f"  {mode}: {sum(e is None for e in results.values())}/{len(results)} passed, "
                 f"{time.monotonic() - t:.0f} s")
-    return all_ok
+    return gpu_path_checks(run, env, dev) and all_ok
+
+
+def gpu_path_checks(run, env, dev):
+    """``tests/test_gpu_path.py``'s checks: ``granii(model, x, edge_index)`` on PyG models on
+    ``dev`` against PyG's outputs and gradients, every layer a plan of GPU kernels."""
+    test = ROOT / "tests" / "test_gpu_path.py"
+    run.say(f"GPU path checks on {dev}")
+    try:
+        proc = subprocess.run([sys.executable, str(test), "--worker", dev], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=max(60, run.left() - 30))
+    except subprocess.TimeoutExpired:
+        run.row("checks", "gpu path", "all", ok=False, note="timed out")
+        return False
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        run.row("checks", "gpu path", "all", ok=False,
+                note=f"worker failed rc={proc.returncode}: {proc.stderr[-300:]!r}")
+        return False
+    ok_all = True
+    for name, error in json.loads(lines[-1])["results"].items():
+        ok = error is None
+        ok_all &= ok
+        run.row("checks", name, "gpu-path", ok=ok,
+                note="" if ok else error.strip().splitlines()[-1][:300])
+    return ok_all
 
 
 # -- 2. the graph ---------------------------------------------------------------------------------
@@ -186,6 +215,20 @@ def power_law_graph(n, edges, device, seed=0):
 
 
 # -- 3. kernels -----------------------------------------------------------------------------------
+def legacy(fn):
+    """``fn`` run with the SpMM's launch configuration from before the one-warp rule
+    (``spmm_kernels.LEGACY``; schedules and kernels otherwise the same), to time both."""
+    from granii.kernels.triton import spmm_kernels
+
+    def run(*args):
+        spmm_kernels.LEGACY = True
+        try:
+            return fn(*args)
+        finally:
+            spmm_kernels.LEGACY = False
+    return run
+
+
 def spmm_timings(run, graph, src, dst, n):
     from torch_geometric.utils import scatter
 
@@ -207,6 +250,8 @@ def spmm_timings(run, graph, src, dst, n):
             "pyg-scatter": lambda: scatter(x[src], dst, 0, dim_size=n, reduce="sum"),
             "triton-rows": lambda: spmm(graph, x, schedule="rows"),
             "triton-segments": lambda: spmm(graph, x, schedule="segments"),
+            "triton-rows-legacy": legacy(lambda: spmm(graph, x, schedule="rows")),
+            "triton-segments-legacy": legacy(lambda: spmm(graph, x, schedule="segments")),
         }
         for name, fn in variants.items():
             try:
@@ -224,13 +269,14 @@ def spmm_timings(run, graph, src, dst, n):
         xg = x.clone().requires_grad_(True)
         ref_grad = None
         for name, f in {"cusparse": lambda t: torch.sparse.mm(a_csr, t),
-                        "triton": lambda t: spmm(graph, t)}.items():
+                        "triton": lambda t: spmm(graph, t),
+                        "triton-legacy": lambda t: spmm(graph, t)}.items():
             def step():
                 xg.grad = None
                 f(xg).backward(dy)
             try:
                 run.reset_peak()
-                ms = run.time(step)
+                ms = run.time(legacy(step) if name.endswith("legacy") else step)
                 err = ok = None
                 if ref_grad is None:
                     ref_grad = xg.grad.detach().clone()
@@ -277,9 +323,19 @@ def gat_timings(run, graph, src, dst, n):
                 "torch-edges": by_edges}
     if not run.args.small:
         variants["torch-edges-compiled"] = torch.compile(by_edges)
+    what = f"gat h={heads} d={dim}"
+    try:                                # the fused forward alone, checked against the edges'
+        with torch.no_grad():
+            got, want = gat(graph, el, er, feat, 0.2), by_edges(el, er, feat)
+            err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+            ms = run.time(lambda: gat(graph, el, er, feat, 0.2))
+        run.row("kernels", what, "triton-fused", "forward", ms, None, err, err < 1e-3)
+        del got, want
+    except Exception as ex:             # noqa: BLE001
+        run.row("kernels", what, "triton-fused", "forward",
+                note=("OOM" if is_oom(ex) else f"error: {ex}")[:300])
     fused = None
     for name, f in variants.items():
-        what = f"gat h={heads} d={dim}"
         if run.left() < (60 if "compiled" in name else 20):
             run.row("kernels", what, name, "fwd+bwd", note="skipped: budget")
             continue
@@ -392,6 +448,8 @@ def model_timings(run, graph, src, dst, n, compiled):
             if kind != "gat":
                 variants["adj_t"] = (model, adj_t_gcn if kind == "gcn" else adj_t)
             variants["triton-plan"] = (plan, None)
+            variants["granii"] = (GraniiModel(model, True), edge_index)
+            variants["granii-noreuse"] = (GraniiModel(model, False), edge_index)
         cells.append((kind, model, variants))
     reference = run.references
     order = [(k, m, name, v) for k, m, vs in cells for name, v in vs.items()]
@@ -403,9 +461,13 @@ def model_timings(run, graph, src, dst, n, compiled):
                 continue
             try:
                 run.reset_peak()
-                ms, first, check = _model_cell(run, model, fn, x, graph_arg, y, training)
+                owner = fn.model if isinstance(fn, GraniiModel) else model
+                ms, first, check, first100 = _model_cell(run, owner, fn, x, graph_arg, y,
+                                                         training)
                 err = ok = None
                 note = f"first call {first * 1e3:.0f} ms" if name == "compile" else ""
+                if isinstance(fn, GraniiModel):
+                    note = f"first call {first * 1e3:.0f} ms; ran {fn.ran()}"
                 if (kind, mode) not in reference:     # eager's, or the first that ran
                     reference[kind, mode] = (name, check)
                 else:
@@ -414,13 +476,41 @@ def model_timings(run, graph, src, dst, n, compiled):
                               for a, b in zip(check, ref))
                     ok = err < (2e-3 if name != "adj_t" else 1e-2)
                     note = "; ".join(t for t in (note, f"vs {ref_name}") if t)
-                run.row("models", kind, name, mode, ms, run.peak(), err, ok, note)
+                run.row("models", kind, name, mode, ms, run.peak(), err, ok, note,
+                        first100=first100)
             except Exception as ex:     # noqa: BLE001
                 run.row("models", kind, name, mode,
                         note=("OOM" if is_oom(ex) else f"error: {type(ex).__name__}: {ex}")[:300])
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
         write_report(run)
+
+
+class GraniiModel:
+    """A copy of the PyG model (the same parameters) optimized by ``granii(model, x,
+    edge_index)`` at its first call, which counts in the first call's time; ``reuse``: granii's
+    ``reuse_inputs`` (work on the fixed input features done once, an ablation when off)."""
+
+    def __init__(self, model, reuse):
+        import copy
+        self.model, self.reuse, self.done = copy.deepcopy(model), reuse, False
+
+    def __call__(self, x, edge_index):
+        if not self.done:
+            from granii import granii
+            granii(self.model, x, edge_index, reuse_inputs=self.reuse)
+            self.done = True
+        return self.model(x, edge_index)
+
+    def ran(self):
+        """What each layer's last call ran and the settled choice's kernels."""
+        from granii.runtime.dispatch import layer_states
+        parts = []
+        for st in layer_states(self.model):
+            impls = sorted({i for c in st.chosen.values() for i in (c.get("impls") or ())
+                            if i != "inline"})
+            parts.append(f"{st.name} {st.ran.kind} {st.ran.label} {'/'.join(impls)}")
+        return "; ".join(parts)
 
 
 def _adj_t(src, dst, n, keep_loops):
@@ -435,10 +525,39 @@ def _adj_t(src, dst, n, keep_loops):
                                    torch.ones(src.shape[0], device=src.device), size=(n, n))
 
 
+def _settle(run, fn, first):
+    """Calls of ``fn`` after its first until granii's tie-breaks have settled (at most 40; one
+    for the others): their milliseconds. Then ``(median ms, ms per call over the first 100
+    calls, the first included)``, the calls after those timed taken at the median."""
+    times = []
+    graniis = getattr(fn, "granii_model", None) is not None
+    for _ in range(40 if graniis else 1):
+        run.sync()
+        t = time.perf_counter()
+        fn()
+        run.sync()
+        times.append(1e3 * (time.perf_counter() - t))
+        if not graniis or _settled(fn):
+            break
+    ms = run.time(fn)
+    first100 = (1e3 * first + sum(times) + (99 - len(times)) * ms) / 100
+    return ms, first100
+
+
+def _settled(fn):
+    from granii.runtime.dispatch import layer_states
+    from granii.runtime.tiebreak import Trial
+    model = getattr(fn, "granii_model", None)
+    return model is not None and all(
+        not any(isinstance(d, Trial) for per in st.decisions.values() for d in per.values())
+        for st in layer_states(model))
+
+
 def _model_cell(run, model, fn, x, graph_arg, y, training):
-    """``(median ms, first call s, tensors to compare)``: inference gives the output; training
-    the first step's loss and the gradients of every parameter (before Adam moves them), then
-    steps go on from a copy of the parameters so each variant starts from the same ones."""
+    """``(median ms, first call s, tensors to compare, ms per call over the first 100)``:
+    inference gives the output; training the first step's loss and the gradients of every
+    parameter (before Adam moves them), then steps go on from a copy of the parameters so each
+    variant starts from the same ones."""
     params = list(model.parameters())
     saved = [p.detach().clone() for p in params]
     if not training:
@@ -451,8 +570,9 @@ def _model_cell(run, model, fn, x, graph_arg, y, training):
         out = call()
         run.sync()
         first = time.monotonic() - t
-        ms = run.time(call)
-        return ms, first, [out.float()]
+        call.granii_model = fn.model if isinstance(fn, GraniiModel) else None
+        ms, first100 = _settle(run, call, first)
+        return ms, first, [out.float()], first100
     model.train()
     opt = torch.optim.Adam(params, lr=1e-3)
 
@@ -469,11 +589,12 @@ def _model_cell(run, model, fn, x, graph_arg, y, training):
     run.sync()
     first = time.monotonic() - t
     check = [loss.detach().reshape(1)] + [p.grad.detach().clone() for p in params]
-    ms = run.time(step)
+    step.granii_model = fn.model if isinstance(fn, GraniiModel) else None
+    ms, first100 = _settle(run, step, first)
     with torch.no_grad():
         for p, s in zip(params, saved):
             p.copy_(s)
-    return ms, first, check
+    return ms, first, check, first100
 
 
 # -- report ---------------------------------------------------------------------------------------

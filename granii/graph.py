@@ -15,6 +15,9 @@ import weakref
 
 import torch
 
+from .device import is_gpu
+
+_CPU = torch.device("cpu")
 
 def _physical_memory():
     try:
@@ -126,6 +129,8 @@ class GraphInfo:
         self.num_dst = g.num_dst_nodes()
         self.num_edges = g.num_edges()
         self.is_block = g.is_block
+        self.device = getattr(g, "device", _CPU)
+        self.gpu = is_gpu(self.device)      # runs the GPU's kernels (``granii.device``)
         self.cache = GraphCache()
 
     @property
@@ -233,8 +238,9 @@ class GraphInfo:
                 and hit[1] == counts._version:
             return hit[2]
         given = counts
-        counts = torch.tensor([self.num_src]) if counts is None else counts.long()
-        offsets = torch.zeros(counts.numel() + 1, dtype=torch.long)
+        counts = torch.tensor([self.num_src], device=self.device) if counts is None \
+            else counts.long()
+        offsets = torch.zeros(counts.numel() + 1, dtype=torch.long, device=counts.device)
         torch.cumsum(counts, 0, out=offsets[1:])
         if int(offsets[-1]) != self.num_src:
             raise ValueError(f"granii: the batch's node counts add up to {int(offsets[-1])}, "
@@ -289,7 +295,8 @@ def edge_list_csc(src, dst, num_dst):
     (rows of the edge list, ascending) and, as their edge ids, the sources."""
     op = getattr(getattr(torch.ops, "granii", None), "csr_transpose", None) \
         if _native_loaded() else None
-    if op is None or src.dtype not in (torch.int32, torch.int64) or dst.dtype != src.dtype:
+    if op is None or src.dtype not in (torch.int32, torch.int64) or dst.dtype != src.dtype \
+            or src.device.type != "cpu":
         return None
     rows = torch.arange(len(src) + 1, dtype=src.dtype)
     indptr, eids, indices, _ = op(rows, dst.contiguous(), src.contiguous(), num_dst)

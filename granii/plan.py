@@ -520,7 +520,7 @@ def weighted_degree_power(gi, w, side, power, eps):
                        "This leads to square root of zero or negative values.")
     src, dst = gi.edges()
     ids, n = (dst, gi.num_dst) if side == "in" else (src, gi.num_src)
-    d = torch.zeros(n, dtype=w.dtype).index_add_(0, ids, w.detach() if not w.requires_grad
+    d = torch.zeros(n, dtype=w.dtype, device=w.device).index_add_(0, ids, w.detach() if not w.requires_grad
                                                  else w) + eps
     out = torch.pow(d, power)
     return torch.where(d == 0, torch.zeros_like(out), out)
@@ -601,7 +601,8 @@ def gemm_pack(w1, w2, b1, b2):
 def edge_ones(gi, el):
     """Ones with one value per edge and head (heads: the columns of the scores ``el``): what an
     attention dropout module is applied to, to draw its mask."""
-    return torch.ones(gi.num_edges, el.shape[-1] if el.dim() > 1 else 1, dtype=el.dtype)
+    return torch.ones(gi.num_edges, el.shape[-1] if el.dim() > 1 else 1, dtype=el.dtype,
+                      device=el.device)
 
 
 def gat_heads(kernel, gi, el, er, x, slope, w, bias=None):

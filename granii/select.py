@@ -27,6 +27,7 @@ older model folders) ``c = f (1 + g + g')``: one more call of the same size per 
 from dataclasses import dataclass
 
 from .costmodel import concrete_dims
+from .device import runs_on
 from .fuse import is_dropout
 from .kernels import sparse_rows
 from .learned import TRAIN_GRADS
@@ -176,7 +177,8 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
         scale = 1 / PASSES["add"][1] if step.prim == "add" and any(
             _is_row(plan, a) for a in step.args) else 1.0
         for impl in step_impls(step):
-            if runs is not None and not runs(step.prim, impl, needed):
+            if not runs_on(impl, gi.gpu) or runs is not None and not runs(step.prim, impl,
+                                                                           needed):
                 continue
             prim, need = _priced_as(step, impl, needed)
             t = scale * step_seconds(model, prim, impl, gi, dims, _heads(plan), need) + extra

@@ -20,7 +20,7 @@ def sddmm_scale_dgl(gi, d_dst, w, d_src):
     g = gi.g
     if w is None:
         if d_dst is None and d_src is None:
-            return torch.ones(gi.num_edges)
+            return torch.ones(gi.num_edges, device=gi.device)
         if d_dst is None:
             return dgl.ops.copy_u(g, d_src)
         if d_src is None:
@@ -40,7 +40,7 @@ def sddmm_scale_torch(gi, d_dst, w, d_src):
     src, dst = gi.edges()
     if w is None:
         if d_dst is None and d_src is None:
-            return torch.ones(gi.num_edges)
+            return torch.ones(gi.num_edges, device=gi.device)
         if d_dst is None:
             return d_src[src]
         if d_src is None:

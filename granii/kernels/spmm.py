@@ -50,7 +50,7 @@ def _from_native(gi, native):
     out = {}
     for which, size in (("a", (gi.num_dst, gi.num_src)), ("at", (gi.num_src, gi.num_dst))):
         idx = native.csr_index(gi, which)
-        perm = torch.arange(gi.num_edges) if idx.eids is None else idx.eids.long()
+        perm = torch.arange(gi.num_edges, device=idx.indptr.device) if idx.eids is None else idx.eids.long()
         out[which] = (idx.indptr.int(), idx.indices.int(), perm, size)
     return out
 
@@ -64,7 +64,7 @@ def unit_csr(gi, dtype=torch.float32):
     """``(A, A^T)`` as torch CSR tensors with unit values, built once per graph and dtype."""
     def make():
         st = _structure(gi)
-        ones = torch.ones(gi.num_edges, dtype=dtype)
+        ones = torch.ones(gi.num_edges, dtype=dtype, device=st["a"][0].device)
         return _csr(st["a"], ones), _csr(st["at"], ones)
     return gi.memo(("torch_csr_unit", dtype), make)
 
@@ -82,11 +82,12 @@ def _head_index(gi, which, heads):
         crow, col, perm, (rows, cols) = _structure(gi)[which]
         crow, col, e = crow.long(), col.long(), col.shape[0]
         deg = crow[1:] - crow[:-1]
-        row = torch.repeat_interleave(torch.arange(rows), deg)
-        h = torch.arange(heads).reshape(-1, 1)
-        pos = (crow[row] * (heads - 1) + torch.arange(e)) + h * deg[row]
-        col_h = torch.empty(e * heads, dtype=torch.long)
-        flat = torch.empty(e * heads, dtype=torch.long)
+        dev = crow.device
+        row = torch.repeat_interleave(torch.arange(rows, device=dev), deg)
+        h = torch.arange(heads, device=dev).reshape(-1, 1)
+        pos = (crow[row] * (heads - 1) + torch.arange(e, device=dev)) + h * deg[row]
+        col_h = torch.empty(e * heads, dtype=torch.long, device=dev)
+        flat = torch.empty(e * heads, dtype=torch.long, device=dev)
         col_h[pos.reshape(-1)] = (col * heads + h).reshape(-1)
         flat[pos.reshape(-1)] = (perm * heads + h).reshape(-1)
         crow_h = torch.cat([(crow[:-1] * heads + h * deg).t().reshape(-1), crow[-1:] * heads])

@@ -131,12 +131,17 @@ def prepare(layer, *args, **kwargs):
     return Prepared(layer, pir, compiled, bind_call(layer, pir, compiled, values), values)
 
 
-def step_impls(step, edge_grad=False):
-    """The kernel implementations of a plan step that run on an index graph (not DGL's);
-    ``edge_grad``: the step's per-edge values (its first operand) need a gradient."""
+def step_impls(step, edge_grad=False, graph=None):
+    """The kernel implementations of a plan step that run on the index graph ``graph`` (not
+    DGL's; by default one on the CPU); ``edge_grad``: the step's per-edge values (its first
+    operand) need a gradient."""
     from ..plan import step_impls as all_impls
     needed = (0,) if edge_grad else ()
-    return tuple(i for i in all_impls(step) if IndexGraph.runs(step.prim, i, needed))
+    graph = graph if graph is not None else _CPU_GRAPH
+    return tuple(i for i in all_impls(step) if graph.runs(step.prim, i, needed))
+
+
+_CPU_GRAPH = IndexGraph(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 0)
 
 
 def _edge_grads(plan, call):
@@ -175,7 +180,8 @@ def plan_choices(prepared):
     out = []
     for plan in prepared.plans:
         grads = _edge_grads(plan, prepared.call)
-        per_step = [step_impls(s, g) for s, g in zip(plan.steps, grads)]
+        graph = prepared.call.gi.g
+        per_step = [step_impls(s, g, graph) for s, g in zip(plan.steps, grads)]
         if any(not o for o in per_step):
             continue
         n = max((len(o) for o in per_step), default=1)
@@ -198,7 +204,7 @@ def run(prepared, plan=None, impls=None):
             raise FrontendError("plans", "every plan needs a kernel only DGL has")
         plan, impls = choices[0]
     if impls is None:
-        impls = tuple(step_impls(s, g)[0]
+        impls = tuple(step_impls(s, g, call.gi.g)[0]
                       for s, g in zip(plan.steps, _edge_grads(plan, prepared.call)))
     return run_plan(call, plan, impls)
 

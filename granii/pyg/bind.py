@@ -27,7 +27,7 @@ def _weight(w_spec, base, values):
     if w_spec.how is None:
         return w
     _, kept = loops_added(base, w_spec.how)
-    fill = torch.full((base.n,), w_spec.fill, dtype=w.dtype)
+    fill = torch.full((base.n,), w_spec.fill, dtype=w.dtype, device=w.device)
     if w_spec.how == "add":
         return torch.cat([w, fill])
     loops = ~kept
@@ -45,8 +45,8 @@ def _degree(vec, base, values, dtype):
     g = derived(base, vec.graph.how)
     idx = g.dst if vec.side == "dst" else g.src
     w = (edge_values(vec.weight, base, values) if vec.weight is not None
-         else torch.ones(g.num_edges(), dtype=dtype))
-    deg = torch.zeros(g.n, dtype=w.dtype).scatter_add(0, idx, w)
+         else torch.ones(g.num_edges(), dtype=dtype, device=idx.device))
+    deg = torch.zeros(g.n, dtype=w.dtype, device=idx.device).scatter_add(0, idx, w)
     if vec.power != 1:
         deg = deg.pow(vec.power)
     if vec.masked:
@@ -71,7 +71,7 @@ def _compute(ev, base, values, dtype):
         d = _degree(vec, base, values, dtype)[g.src if side == "src" else g.dst]
         out = d if out is None else out * d
     if out is None:
-        out = torch.ones(g.num_edges(), dtype=dtype)
+        out = torch.ones(g.num_edges(), dtype=dtype, device=g.src.device)
     if ev.const != 1:
         out = out * ev.const
     return out

@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from ..device import is_gpu, runs_on
 from ..graph import graph_info
 
 __all__ = ["IndexGraph", "index_graph", "derived", "graph_info", "input_kind"]
@@ -49,6 +50,10 @@ class IndexGraph:
         self.values = values              # adj_t's stored values (edge order), else None
         self.derived = {}                 # transform -> IndexGraph (self loops added)
         self._graph = self
+
+    @property
+    def device(self):
+        return self.src.device
 
     def num_src_nodes(self):
         return self.n
@@ -73,16 +78,16 @@ class IndexGraph:
         rows, cols = (self.dst, self.src) if fmt == "csc" else (self.src, self.dst)
         eids = torch.sort(rows, stable=True).indices
         counts = torch.bincount(rows, minlength=self.n)
-        indptr = torch.zeros(self.n + 1, dtype=torch.long)
+        indptr = torch.zeros(self.n + 1, dtype=torch.long, device=rows.device)
         torch.cumsum(counts, 0, out=indptr[1:])
         return indptr, cols[eids], eids
 
-    @staticmethod
-    def runs(prim, impl, needed=()):
-        """Whether kernel ``impl`` of ``prim`` runs on an index graph, with the gradients of the
-        operand positions ``needed``: DGL's kernels need a DGL graph, and so does the gradient
-        to the edge values (position 0) of ``spmm_weighted``/``torch_csr`` (DGL's u_dot_v)."""
-        if impl == "dgl":
+    def runs(self, prim, impl, needed=()):
+        """Whether kernel ``impl`` of ``prim`` runs on this index graph, with the gradients of
+        the operand positions ``needed``: DGL's kernels need a DGL graph, and so does the
+        gradient to the edge values (position 0) of ``spmm_weighted``/``torch_csr`` (DGL's
+        u_dot_v); a graph on the GPU runs the GPU's kernels (``granii.device``)."""
+        if impl == "dgl" or not runs_on(impl, is_gpu(self.src.device)):
             return False
         return not (0 in needed and (prim, impl) in (("spmm_weighted", "torch_csr"),
                                                      ("gat_aggregate", "torch")))
@@ -121,7 +126,8 @@ def _make(graph_input, num_nodes, kind):
                              f"{tuple(graph_input.shape)}; only square (N, N) ones are read")
         if graph_input.layout == torch.sparse_csr:
             indptr = graph_input.crow_indices()
-            dst = torch.repeat_interleave(torch.arange(graph_input.shape[0]),
+            dst = torch.repeat_interleave(torch.arange(graph_input.shape[0],
+                                                       device=indptr.device),
                                           indptr[1:] - indptr[:-1])
             src = graph_input.col_indices()
         else:
@@ -178,7 +184,7 @@ def loops_added(g, how):
     ``add_remaining_self_loops`` (``"remaining"``: existing loops dropped, the others kept in
     order); ``kept`` is the mask of ``g``'s edges kept."""
     kept = torch.ones_like(g.src, dtype=torch.bool) if how == "add" else g.src != g.dst
-    loop = torch.arange(g.n)
+    loop = torch.arange(g.n, device=g.src.device)
     return torch.stack([torch.cat([g.src[kept], loop]), torch.cat([g.dst[kept], loop])]), kept
 
 

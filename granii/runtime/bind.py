@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import gpu_unavailable
 from ..graph import graph_info
 from ..kernels import native, sparse_rows
 from ..plan import COMPUTED
@@ -125,18 +126,24 @@ def _unsupported_input(graph, feat):
         return "a heterogeneous graph (more than one node or edge type) is not optimized yet"
     if isinstance(feat, (tuple, list)):
         return "a pair of (source, destination) features is not optimized yet"
+    if getattr(graph, "device", None) is not None and graph.device.type != "cpu":
+        return (f"a DGL graph on {graph.device}: DGL models on the GPU are not optimized yet "
+                "(PyTorch Geometric models are)")
     return unsupported_features(feat)
 
 
 def unsupported_features(feat):
     """Why features ``feat`` cannot go through a plan (a string), or ``None``: plans take one
-    float32 CPU tensor of N x k (either framework)."""
+    float32 tensor of N x k on the CPU (either framework) or a CUDA GPU (``granii.device``)."""
     if not isinstance(feat, torch.Tensor):
         return f"features of type {type(feat).__name__}"
     if feat.dim() != 2:
         return f"features with {feat.dim()} dimensions (only N x k features are optimized)"
-    if feat.device.type != "cpu" or feat.dtype != torch.float32:
-        return f"features of dtype {feat.dtype} on {feat.device} (float32 on CPU is optimized)"
+    if feat.device.type not in ("cpu", "cuda") or feat.dtype != torch.float32:
+        return (f"features of dtype {feat.dtype} on {feat.device} (float32 on the CPU or a "
+                "CUDA GPU is optimized)")
+    if feat.device.type == "cuda":
+        return gpu_unavailable(feat.device)
     return None
 
 
@@ -192,7 +199,7 @@ def graph_index(gi):
     """``gi`` after building the native kernels' index of its graph (when they are built): one
     pass that also counts both degree vectors (``native.csr_index``), so ``gi.in_degrees()`` and
     ``gi.out_degrees()`` read those, and the plans find the index made."""
-    if native.available():
+    if native.available() and not gi.gpu:
         native.csr_index(gi)
     return gi
 

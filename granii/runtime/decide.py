@@ -2,6 +2,7 @@
 compile the winner, or start a measured tie-break among the close ones."""
 import torch
 
+from ..device import gpu_cost_model
 from ..memory import plan_memory
 from ..plan import compile_plan
 from ..select import rank, trial_candidates
@@ -13,8 +14,9 @@ from .variants import leaf_vals_order
 def decision_key(call):
     """What a saved decision is looked up by: signature, sizes and mode (no object identities)."""
     present, is_block, config = call.key[1:]
-    return repr((sorted(present), is_block, config, sorted(call.symbols.items()),
-                 call.training, call.input_grad, call.input_repeats))
+    key = (sorted(present), is_block, config, sorted(call.symbols.items()), call.training,
+           call.input_grad, call.input_repeats)
+    return repr(key + (call.gi.device.type,) if call.gi.gpu else key)
 
 
 def decide(state, options, call):
@@ -65,7 +67,7 @@ def _preset(state, call, dk, preset):
 
 
 def _decide(state, options, call):
-    model = options.model()
+    model = gpu_cost_model(str(call.gi.device)) if call.gi.gpu else options.model()
     state.ranked += 1
     calls = 1 if call.gi.is_block else options.expected_calls
     ranking = rank(call.compiled.plans, call.gi, call.symbols, model, call.training,

@@ -11,6 +11,7 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
+from ..device import rng_state, set_rng_state, synchronize
 from ..kernels import native, pool
 from ..plan import REUSE
 from .bind import _UserError, _call_shape, prepare, recompute_key
@@ -184,13 +185,13 @@ def _run(state, dkey, label, fn, order, call, layer, args, kwargs):
         return out
     # the first run of a plan: if it raises, the original forward runs instead, with the random
     # numbers the plan drew given back
-    rng = torch.get_rng_state()
+    rng = rng_state(call.gi.gpu)
     try:
         out = fn(call.gi, layer, *(call.leaf_vals[v] for v in order))
     except _NOT_THE_PLANS:
         raise
     except Exception as e:       # noqa: BLE001 - a plan that raises is never used again
-        torch.set_rng_state(rng)
+        set_rng_state(rng)
         reason = f"plan {label} raised {type(e).__name__}: {e}"
         state.failed[dkey] = reason
         state.forward_run = (recompute_key(call), ORIGINAL, None, None)
@@ -225,13 +226,13 @@ def _class_run(state, options, layer, hit, guard, args, kwargs):
     state.class_reused += 1
     if run.fn is None:
         return _fast_run(state, options, layer, (gi, run, vals), args, kwargs)
-    rng = torch.get_rng_state()
+    rng = rng_state(gi.gpu)
     try:
         return _fast_run(state, options, layer, (gi, run, vals), args, kwargs)
     except _NOT_THE_PLANS:
         raise
     except Exception:            # noqa: BLE001 - the normal path runs it and decides
-        torch.set_rng_state(rng)
+        set_rng_state(rng)
         state.calls -= 1
         state.class_reused -= 1
         return _dispatch(state, options, layer, args, kwargs, guard)
@@ -263,12 +264,15 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
     scale = _trial_scale(trial, call)
     call, args, kwargs = _own_gradients(call, args, kwargs)
     _shared_backward_index(call, layer)
+    gpu = call.gi.gpu
+    synchronize(gpu)
     t0 = time.perf_counter()
     out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
+    synchronize(gpu)
     seconds = (time.perf_counter() - t0) / scale
     if state.ran.kind != "fallback" and not _INSPECTING[0]:
         state.ran = Ran(state.ran.kind, label, "a turn of the measured tie-break")
-    clock = BackwardClock.of(out, layer, args, scale)
+    clock = BackwardClock.of(out, layer, args, scale, gpu)
     if clock is None:
         trial.record(label, seconds)
     else:                       # in training the backward counts too: recorded on the next call
@@ -315,7 +319,7 @@ def _shared_backward_index(call, layer):
     backward, or of a forward that reads it, so a turn's time depended on what the other layers
     had run before it."""
     if (layer.training and torch.is_grad_enabled() and not call.gi.is_block
-            and native.available()):
+            and native.available() and not call.gi.gpu):
         native.csr_index(call.gi, "at")
 
 

@@ -198,7 +198,7 @@ def graph_class_key(call):
     sizes (``N``, ``E``), as ``sampler_key``; the graph's own ``class_shape`` is compared
     within ``SHAPE_SLACK`` (``_class_decision``)."""
     sizes = tuple((k, v) for k, v in call.sym_key if k not in _GRAPH_SYMBOLS)
-    return ("graph", call.key, sizes)
+    return ("graph", call.key, sizes) + ((call.gi.device.type,) if call.gi.gpu else ())
 
 
 def graph_shape(gi, structural=True):

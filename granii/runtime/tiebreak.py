@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..device import synchronize
 from .state import ORIGINAL, _INSPECTING
 
 
@@ -200,28 +201,31 @@ class BackwardClock:
     autograd graph task): a clock that read them all once spanned from one training step's
     backward to the next one's, 10-40 ms for a 0.3 ms layer, and the trial then chose by noise."""
 
-    def __init__(self, outs, tensors, scale):
+    def __init__(self, outs, tensors, scale, gpu=False):
         self.start = self.end = self.task = None
-        self.scale = scale
+        self.scale, self.gpu = scale, gpu
         self.handles = [o.register_hook(self._start) for o in outs]    # the first one starts it
         self.handles += [t.register_hook(self._stop) for t in tensors]
 
     @classmethod
-    def of(cls, out, layer, args, scale):
-        """A clock for ``out`` when a backward through it can follow, else ``None``."""
+    def of(cls, out, layer, args, scale, gpu=False):
+        """A clock for ``out`` when a backward through it can follow, else ``None``; on the GPU
+        (``gpu``) each end waits for the device's queued work."""
         if not (isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled()):
             return None
         tensors = [p for p in layer.parameters() if p.requires_grad]
         tensors += [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        return cls([out], tensors, scale) if tensors else None
+        return cls([out], tensors, scale, gpu) if tensors else None
 
     def _start(self, grad):
         if self.start is None:
+            synchronize(self.gpu)
             self.start = time.perf_counter()
             self.task = torch._C._current_graph_task_id()
 
     def _stop(self, grad):
         if self.start is not None and torch._C._current_graph_task_id() == self.task:
+            synchronize(self.gpu)
             self.end = time.perf_counter()
 
     def seconds(self):

@@ -1,0 +1,122 @@
+"""Which device's kernels a call runs, and what the GPU path needs.
+
+Features on the CPU run the CPU's kernels: granii's C++ kernels (``native``), MKL through torch,
+DGL's, and the CPU allocator pool. Features on a CUDA device run the GPU's: granii's Triton
+kernels (``triton``), torch's own CUDA kernels (``torch``: scatter and index adds; ``torch_csr``:
+cuSPARSE's CSR product) and cuBLAS. A plan's steps take only implementations of their device
+(``runs_on``), the per-graph indices live on the graph's device, a measured turn of the tie-break
+waits for the device (``synchronize``), and the GPU's costs come from ``gpu_cost_model``.
+
+``GPU_PATH_ON_CPU``: tests run the GPU path on CPU tensors, with the Triton kernels under Triton's
+interpreter (``TRITON_INTERPRET=1``): the same choices and kernels, where no GPU is at hand.
+"""
+import functools
+import time
+import warnings
+
+import torch
+
+GPU_IMPLS = frozenset({"torch", "torch_csr", "triton", "inline"})
+GPU_PATH_ON_CPU = [False]
+
+
+def is_gpu(device):
+    """Whether ``device`` (a ``torch.device``) runs the GPU path."""
+    return device.type == "cuda" or (GPU_PATH_ON_CPU[0] and device.type == "cpu")
+
+
+def runs_on(impl, gpu):
+    """Whether kernel implementation ``impl`` runs on the GPU path (``gpu``) or the CPU's."""
+    return impl in GPU_IMPLS if gpu else impl != "triton"
+
+
+def gpu_unavailable(device):
+    """Why features on ``device`` cannot take the GPU path (a string), or ``None``: it needs
+    Triton (shipped with torch's CUDA builds), and registers the Triton kernels on first use."""
+    try:
+        import triton  # noqa: F401
+        from .kernels.triton import impls
+    except ImportError as e:
+        return f"features on {device}: the GPU path needs Triton ({e})"
+    impls.register()
+    return None
+
+
+def synchronize(gpu):
+    """Wait for the device's queued work, so a host clock reads the time of what ran."""
+    if gpu and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def rng_state(gpu):
+    """The random-number states a plan's first run may draw from (restored when it raises)."""
+    cuda = gpu and torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
+
+
+def set_rng_state(state):
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_cost_model(device):
+    """The analytical cost model (``costmodel.AnalyticalCost``) of GPU ``device`` (a string),
+    its rates measured once per process (``measure_rates``): no model trained on GPU timings is
+    shipped yet, so the measured tie-break settles the close choices. Warns once."""
+    from .costmodel import AnalyticalCost
+    rates = measure_rates(torch.device(device))
+    warnings.warn(f"granii: no cost models trained on this GPU ({describe(device)}); pricing "
+                  f"plans by its measured rates ({rates['stream_rate'] / 1e9:.0f} GB/s stream, "
+                  f"{rates['gather_rate'] / 1e9:.0f} GB/s gather, "
+                  f"{rates['flop_rate'] / 1e12:.1f} TFLOP/s) and timing the close ones",
+                  RuntimeWarning, stacklevel=2)
+    return AnalyticalCost(name=f"analytical-gpu ({describe(device)})", impl_factor=GPU_FACTORS,
+                          call_overhead=8e-6, **rates)
+
+
+# Relative speed of implementations on the GPU, read off results/gpu/report.md (H200): PyG's
+# gather-scatter SpMM ran 7-8x cuSPARSE's; granii's Triton SpMM 0.7x at 32 columns and 1.9x at
+# 128, its product and backward on the kept transpose 0.23x and 0.87x of cuSPARSE's.
+GPU_FACTORS = (("spmm", "torch", 8.0), ("spmm_norm", "torch", 8.0),
+               ("spmm_weighted", "torch", 8.0), ("spmm_mean", "torch", 8.0),
+               ("spmm", "torch_csr", 1.0), ("spmm_mean", "torch_csr", 1.1),
+               ("spmm_weighted", "torch_csr", 1.2), ("gat_aggregate", "torch", 6.0),
+               ("sddmm_add", "torch", 2.0), ("edge_softmax", "torch", 3.0))
+
+
+def describe(device):
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return f"{dev} (the GPU path on the CPU)"
+    p = torch.cuda.get_device_properties(dev)
+    return f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB"
+
+
+def measure_rates(device, size=1 << 24):
+    """``{"stream_rate", "gather_rate", "flop_rate"}`` of ``device`` in bytes or flops per
+    second: a copy of ``size`` floats (bytes read and written), a gather of ``size`` floats in
+    random rows of 32 (bytes gathered), and a 1024-square float32 product; best of three each,
+    after a warm-up."""
+    size = size if device.type == "cuda" else size // 16
+    x = torch.randn(size, device=device)
+    rows = x.reshape(-1, 32)
+    idx = torch.randint(0, rows.shape[0], (rows.shape[0],), device=device)
+    m = 1024 if device.type == "cuda" else 256
+    a = torch.randn(m, m, device=device)
+
+    def best(fn):
+        fn()
+        times = []
+        for _ in range(3):
+            synchronize(device.type == "cuda")
+            t = time.perf_counter()
+            fn()
+            synchronize(device.type == "cuda")
+            times.append(time.perf_counter() - t)
+        return max(min(times), 1e-9)
+    return {"stream_rate": 8 * size / best(lambda: x.clone()),
+            "gather_rate": 4 * size / best(lambda: rows.index_select(0, idx)),
+            "flop_rate": 2 * m ** 3 / best(lambda: a @ a)}

@@ -1,0 +1,197 @@
+"""granii's GPU path through the one entry point: ``granii(model, x, edge_index)`` on PyG models
+whose tensors take the GPU's kernels (``granii/device.py``): the Triton kernels, cuSPARSE through
+torch, torch's own CUDA kernels; never the C++ kernels or DGL's.
+
+Each check compares with PyG's own layers on the same parameters, over several calls (the
+measured tie-break's turns and the settled plan), in training (outputs and the gradients of every
+parameter) and in evaluation, on a directed graph with nodes without in-edges and duplicate
+edges, with and without edge weights; and it asserts what ran: every layer a plan (no fallback)
+whose steps are GPU implementations, with the Triton kernels among them.
+
+Without a GPU the path runs on CPU tensors (``granii.device.GPU_PATH_ON_CPU``) with the Triton
+kernels under Triton's interpreter, which must be on before they are defined: the checks run in a
+child process (this file as a script, ``--worker cpu``). ``scripts/gpu_check.sh`` runs the same
+worker with ``cuda`` on a GPU. Skipped where Triton is missing or older than 3.0 (the DGL stack).
+"""
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+GPU_IMPLS = {"torch", "torch_csr", "triton", "inline"}
+
+
+def graph(dev, n=24, e=90, zero_in=4, seed=3):
+    """Directed edges, duplicates allowed, the last ``zero_in`` nodes without in-edges."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, n, (e,), generator=gen)
+    dst = torch.randint(0, n - zero_in, (e,), generator=gen)
+    w = torch.rand(e, generator=gen) + 0.5
+    return torch.stack([src, dst]).to(dev), w.to(dev), n
+
+
+def models():
+    from torch_geometric.nn import GATConv, GCNConv, GINConv, SAGEConv
+
+    class Net(torch.nn.Module):
+        def __init__(self, kind):
+            super().__init__()
+            self.kind = kind
+            if kind == "gcn":
+                self.c1, self.c2 = GCNConv(12, 16), GCNConv(16, 5)
+            elif kind == "sage":
+                self.c1, self.c2 = SAGEConv(12, 16), SAGEConv(16, 5)
+            elif kind == "gat":
+                self.c1, self.c2 = GATConv(12, 4, heads=4), GATConv(16, 5, heads=1)
+            else:
+                self.c1 = GINConv(torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU()))
+                self.c2 = GINConv(torch.nn.Linear(16, 5), train_eps=True)
+
+        def forward(self, x, edge_index, w=None):
+            if self.kind == "gcn" and w is not None:
+                return self.c2(torch.relu(self.c1(x, edge_index, w)), edge_index, w)
+            return self.c2(torch.relu(self.c1(x, edge_index)), edge_index)
+    return {"gcn": lambda: Net("gcn"), "gcn_weighted": lambda: Net("gcn"),
+            "sage": lambda: Net("sage"), "gat": lambda: Net("gat"), "gin": lambda: Net("gin")}
+
+
+def check_model(name, dev):
+    """PyG's outputs and gradients through granii on ``dev``; the layers ran GPU plans."""
+    import copy
+
+    from granii import granii
+    from granii.runtime.dispatch import layer_states
+    torch.manual_seed(0)
+    edge_index, w, n = graph(dev)
+    x = torch.randn(n, 12, device=dev)
+    model = models()[name]().to(dev)
+    args = (x, edge_index, w) if name == "gcn_weighted" else (x, edge_index)
+    ours = copy.deepcopy(model)
+    granii(ours, *args[:2], extra_args=args[2:])
+    for step in range(8):                       # the tie-break's turns, then the settled plan
+        for m in (model, ours):
+            m.zero_grad(set_to_none=True)
+            out = m(*args)
+            (out * torch.linspace(-1, 1, out.numel(), device=dev).reshape(out.shape)).sum() \
+                .backward()
+        want, got = model(*args), ours(*args)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        for (pn, p), q in zip(model.named_parameters(), ours.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, pn=pn: f"{name} step {step} {pn}: {m}")
+    model.eval()
+    ours.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(ours(*args), model(*args), rtol=1e-4, atol=1e-5)
+    states = layer_states(ours)
+    assert states, "granii optimized no layer"
+    ran = []
+    for st in states:
+        assert st.ran.kind != "fallback", f"{name} {st.name} fell back: {st.ran}"
+        assert st.chosen, f"{name} {st.name}: nothing chosen"
+        for choice in st.chosen.values():
+            impls = set(choice.get("impls") or ())
+            assert impls <= GPU_IMPLS, f"{name} {st.name}: CPU kernels on the GPU: {impls}"
+            ran.append(sorted(impls))
+    assert any("triton" in r or "torch_csr" in r for r in ran), ran
+    return ran
+
+
+def check_explain_and_fallback(dev):
+    """``explain`` names the GPU's cost model; a float64 input on the GPU runs PyG's own forward
+    and says why."""
+    from torch_geometric.nn import GCNConv
+
+    from granii import granii
+    from granii.runtime.dispatch import layer_states
+    edge_index, _, n = graph(dev)
+    conv = GCNConv(12, 5).to(dev)
+    x = torch.randn(n, 12, device=dev)
+    granii(conv, x, edge_index)
+    conv(x, edge_index)
+    text = granii.explain(conv)
+    assert "analytical-gpu" in text, text
+    conv64 = GCNConv(12, 5).to(dev).double()
+    granii(conv64, x.double(), edge_index)
+    want = torch.nn.Module.__call__(conv64, x.double(), edge_index)
+    st = layer_states(conv64)[0]
+    assert st.ran.kind == "fallback" and "float64" in st.ran.reason, st.ran
+    granii.restore(conv64)
+    torch.testing.assert_close(conv64(x.double(), edge_index), want)
+
+
+CHECKS = {f"model_{name}": (lambda dev, name=name: check_model(name, dev))
+          for name in ("gcn", "gcn_weighted", "sage", "gat", "gin")}
+CHECKS["explain_and_fallback"] = check_explain_and_fallback
+
+
+def worker(dev):
+    """Run every check on ``dev`` (``cpu``: the GPU path on CPU tensors, under the interpreter);
+    print ``{"results": {check: None or the error}}``."""
+    import warnings
+    warnings.simplefilter("ignore")
+    if dev == "cpu":
+        from granii import device
+        device.GPU_PATH_ON_CPU[0] = True
+        from granii.kernels.triton import impls
+        impls.register()
+    results = {}
+    for name, fn in CHECKS.items():
+        try:
+            out = fn(dev)
+            results[name] = None
+            print(f"{name}: ok {out if out else ''}", file=sys.stderr)
+        except Exception:
+            results[name] = traceback.format_exc(limit=8)
+            print(f"{name}: FAILED\n{results[name]}", file=sys.stderr)
+    return {"results": results}
+
+
+def _skip_reason():
+    try:
+        from granii.kernels.triton import available
+    except ImportError as e:
+        return f"Triton cannot be imported: {e}"
+    if not available():
+        return "Triton older than 3.0 (its interpreter is not usable)"
+    try:
+        import torch_geometric  # noqa: F401
+    except ImportError:
+        return "PyTorch Geometric is not installed"
+    return None
+
+
+SKIP = _skip_reason()
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT,
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "cpu"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1])["results"]
+
+
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_gpu_path(results, check):
+    assert results[check] is None, results[check]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        print(json.dumps(worker(sys.argv[2])))
+    else:
+        sys.exit("usage: test_gpu_path.py --worker cpu|cuda")

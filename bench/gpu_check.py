@@ -31,6 +31,7 @@ Writes ``report.md`` and ``gpu_check.csv`` to ``--out`` (default: ``$OUT`` when 
 ``results/gpu``). An out-of-memory error is recorded as such for that cell, not a failure.
 """
 import argparse
+import copy
 import json
 import os
 import platform
@@ -422,7 +423,7 @@ class TritonPlan(torch.nn.Module):
         return out.reshape(x.shape[0], heads * ch)
 
 
-def model_timings(run, graph, src, dst, n, compiled):
+def model_timings(run, graph, src, dst, n, compiled, label=""):
     """The model cells of step 4: PyG eager, ``adj_t`` and the Triton plan (``compiled`` false),
     or ``torch.compile`` (true: the slowest, their compilation, so run last). The models are
     built from the same seed in both calls: the same parameters."""
@@ -437,6 +438,7 @@ def model_timings(run, graph, src, dst, n, compiled):
     adj_t = _adj_t(src, dst, n, keep_loops=True)
     adj_t_gcn = _adj_t(src, dst, n, keep_loops=False)
     cells = []
+    reference = run.references.setdefault(label, {})
     for kind in args.models:
         torch.manual_seed(0)
         model = build_model(kind, args.features, args.hidden, args.classes, args.heads).to(dev)
@@ -451,13 +453,12 @@ def model_timings(run, graph, src, dst, n, compiled):
             variants["granii"] = (GraniiModel(model, True), edge_index)
             variants["granii-noreuse"] = (GraniiModel(model, False), edge_index)
         cells.append((kind, model, variants))
-    reference = run.references
     order = [(k, m, name, v) for k, m, vs in cells for name, v in vs.items()]
     for kind, model, name, (fn, graph_arg) in order:
         for training in (False, True):
             mode = "training" if training else "inference"
             if run.left() < (60 if name == "compile" else 20):
-                run.row("models", kind, name, mode, note="skipped: budget")
+                run.row("models", kind + label, name, mode, note="skipped: budget")
                 continue
             try:
                 run.reset_peak()
@@ -476,13 +477,105 @@ def model_timings(run, graph, src, dst, n, compiled):
                               for a, b in zip(check, ref))
                     ok = err < (2e-3 if name != "adj_t" else 1e-2)
                     note = "; ".join(t for t in (note, f"vs {ref_name}") if t)
-                run.row("models", kind, name, mode, ms, run.peak(), err, ok, note,
+                run.row("models", kind + label, name, mode, ms, run.peak(), err, ok, note,
                         first100=first100)
             except Exception as ex:     # noqa: BLE001
-                run.row("models", kind, name, mode,
+                run.row("models", kind + label, name, mode,
                         note=("OOM" if is_oom(ex) else f"error: {type(ex).__name__}: {ex}")[:300])
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
+        write_report(run)
+
+
+def social_graph(device):
+    """``(src, dst, n)`` of github-social (``data/graphs``), both directions of every edge and
+    one self loop a node, sorted by destination, as the power-law graph."""
+    from granii.datasets import DATA_DIR, read_edge_csv
+    u, v, n = read_edge_csv(DATA_DIR / "graphs" / "github-social.edges.csv")
+    u, v = torch.as_tensor(u), torch.as_tensor(v)
+    s, d = torch.cat([u, v]), torch.cat([v, u])
+    keep = s != d
+    loops = torch.arange(n)
+    key = torch.unique(torch.cat([d[keep] * n + s[keep], loops * n + loops]))
+    return (key % n).to(device), (key // n).to(device), n
+
+
+def layer_specs(args):
+    from torch_geometric.nn import GATConv, GCNConv, SAGEConv
+    f, h, c, heads = args.features, args.hidden, args.classes, args.heads
+    return {f"GCNConv {f}->{h}": lambda: GCNConv(f, h), f"GCNConv {h}->{c}": lambda: GCNConv(h, c),
+            f"SAGEConv {f}->{h}": lambda: SAGEConv(f, h),
+            f"GATConv {f}->{h // heads}x{heads}": lambda: GATConv(f, h // heads, heads=heads)}
+
+
+def decision_timings(run, src, dst, n, label, specs):
+    """Per layer and mode: granii's settled choice (``granii(conv, x, edge_index)`` called until
+    its tie-break settles) against every plan and kernel choice (``pyg.plan_choices``) and PyG's
+    own forward, each timed the same way; the regret is granii's median over the fastest."""
+    from granii import granii, pyg
+    from granii.runtime.dispatch import layer_states
+    edge_index = torch.stack([src, dst])
+    for name, make in specs.items():
+        for training in (False, True):
+            mode = "training" if training else "inference"
+            if run.left() < 25:
+                run.row("decisions", name + label, "all", mode, note="skipped: budget")
+                continue
+            torch.manual_seed(0)
+            conv = make().to(run.dev).train(training)
+            x = torch.randn(n, conv.in_channels, device=run.dev)
+            dout = None
+
+            def call(fn):
+                nonlocal dout
+                with torch.set_grad_enabled(training):
+                    out = fn()
+                    if training:
+                        if dout is None:
+                            dout = torch.randn_like(out)
+                        out.backward(dout)
+            times = {}
+            try:
+                times["PyG forward"] = run.time(lambda: call(lambda: conv(x, edge_index)), reps=5)
+                prepared = pyg.prepare(conv, x, edge_index)
+                for plan, impls in pyg.plan_choices(prepared):
+                    if run.left() < 15:
+                        break
+                    key = f"[{plan.index}] " + "/".join(i for i in impls if i != "inline")
+                    try:
+                        times[key] = run.time(lambda: call(lambda: pyg.run(prepared, plan,
+                                                                           impls)), reps=5)
+                    except Exception as ex:     # noqa: BLE001
+                        times[key] = float("inf")
+                        run.say(f"    {key}: {'OOM' if is_oom(ex) else ex}"[:200])
+                    if run.dev.type == "cuda":
+                        torch.cuda.empty_cache()
+                del prepared
+                ours = copy.deepcopy(conv)
+                granii(ours, x, edge_index)
+                for _ in range(40):
+                    call(lambda: ours(x, edge_index))
+                    st = layer_states(ours)[0]
+                    if not any(type(d).__name__ == "Trial" for per in st.decisions.values()
+                               for d in per.values()):
+                        break
+                ms = run.time(lambda: call(lambda: ours(x, edge_index)), reps=5)
+                chosen = next(iter(st.chosen.values()), {})
+                what = chosen.get("plan", "?")
+                what = "original" if what == "original" else \
+                    f"[{what}] " + "/".join(i for i in chosen.get("impls") or () if i != "inline")
+                best = min(times, key=times.get)
+                run.row("decisions", name + label, "granii", mode, ms,
+                        note=f"chose {what}; regret {ms / times[best]:.2f} vs fastest {best} "
+                             f"{times[best]:.3f} ms; {len(times)} timed")
+                for key, t in sorted(times.items(), key=lambda kv: kv[1])[:3]:
+                    run.row("decisions", name + label, key, mode, t)
+            except Exception as ex:     # noqa: BLE001
+                run.row("decisions", name + label, "all", mode,
+                        note=("OOM" if is_oom(ex) else f"error: {type(ex).__name__}: {ex}")[:300])
+            del conv
+            if run.dev.type == "cuda":
+                torch.cuda.empty_cache()
         write_report(run)
 
 
@@ -632,13 +725,16 @@ def write_report(run):
              f"{'none run' if not checks else 'all passed' if checks_ok else 'FAILED'}.", ""]
     for section, title in (("checks", "Kernel checks (outputs and gradients vs torch)"),
                            ("kernels", "Kernels (median ms)"),
-                           ("models", "2-layer models (median ms per call)")):
+                           ("models", "2-layer models (median ms per call)"),
+                           ("decisions", "Decisions: granii's settled choice against every "
+                                         "plan (median ms of one layer's call)")):
         rows = [r for r in run.rows if r["section"] == section]
         if not rows:
             continue
         lines += [f"## {title}", "",
-                  "| name | variant | mode | ms | peak MiB | max err | ok | note |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| name | variant | mode | ms | ms/call, first 100 | peak MiB | max err | ok "
+                  "| note |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append("| " + " | ".join(r[k] for k in FIELDS[1:]) + " |")
         lines.append("")
@@ -656,6 +752,9 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--models", default="gcn,sage,gat")
+    p.add_argument("--steps", default="decisions,social",
+                   help="optional steps: decisions (every plan against granii's choice), social "
+                        "(the models on github-social)")
     args = p.parse_args(argv)
     if args.small:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -677,6 +776,9 @@ def main(argv=None):
         args.features, args.hidden, args.classes, args.heads = 128, 128, 16, 8
         args.gat_heads, args.gat_dim = 8, 16
     args.models = [m for m in args.models.split(",") if m]
+    args.steps = [m for m in args.steps.split(",") if m]
+    if args.small:          # github-social under the interpreter would take hours
+        args.steps = [m for m in args.steps if m != "social"]
     run = Run(args)
     run.references = {}
     run.out = Path(args.out or os.environ.get("OUT") or ROOT / "results" / "gpu")
@@ -700,7 +802,22 @@ def main(argv=None):
     gat_timings(run, graph, src, dst, n)
     write_report(run)
     model_timings(run, graph, src, dst, n, compiled=False)
-    model_timings(run, graph, src, dst, n, compiled=True)
+    specs = layer_specs(args)
+    if "decisions" in args.steps:
+        decision_timings(run, src, dst, n, "", {k: v for k, v in specs.items()
+                                                if not k.startswith("GAT")})
+    if "social" in args.steps and run.left() > 40:
+        del graph
+        s2, d2 = social_graph(run.dev)[:2]
+        n2 = int(max(s2.max(), d2.max())) + 1
+        g2 = CsrGraph.from_coo(s2, d2, n2, n2)
+        run.graph_line += f"; github-social ({n2} nodes, {g2.num_edges} edges with loops)"
+        model_timings(run, g2, s2, d2, n2, compiled=False, label="@github")
+        if "decisions" in args.steps:
+            decision_timings(run, s2, d2, n2, "@github", specs)
+        model_timings(run, g2, s2, d2, n2, compiled=True, label="@github")
+        del g2, s2, d2
+    model_timings(run, CsrGraph.from_coo(src, dst, n, n), src, dst, n, compiled=True)
     path = write_report(run)
     bad = [r for r in run.rows if r["ok"] == "NO"]
     run.say(f"wrote {path} and {run.out / 'gpu_check.csv'}; {len(bad)} check(s) failed")

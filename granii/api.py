@@ -240,7 +240,8 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
     _check_options(expected_calls, memory_limit, decisions,
                    dict(inspect_now=inspect_now, per_batch=per_batch, reuse_inputs=reuse_inputs,
                         tune=tune, deterministic=deterministic))
-    cost_model = _checked_cost_model(cost_model)
+    if cost_model is not None or not (isinstance(feats, torch.Tensor) and feats.is_cuda):
+        cost_model = _checked_cost_model(cost_model)     # the GPU's is made at its first call
     opts = Options(cost_model, expected_calls, per_batch, reuse_inputs,
                    tune and not deterministic and decisions is None, decisions, memory_limit)
     if inspect_now:

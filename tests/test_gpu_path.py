@@ -129,8 +129,49 @@ def check_explain_and_fallback(dev):
     torch.testing.assert_close(conv64(x.double(), edge_index), want)
 
 
+def layers():
+    from torch_geometric import nn
+    return {"SGConv": lambda: nn.SGConv(12, 5, K=2), "GraphConv": lambda: nn.GraphConv(12, 5),
+            "TAGConv": lambda: nn.TAGConv(12, 5, K=2), "APPNP": lambda: nn.APPNP(K=3, alpha=0.1)}
+
+
+def check_layer(name, dev):
+    """One PyG layer through granii on ``dev`` (training, features needing a gradient): PyG's
+    output and gradients at every call; each decision a GPU plan or PyG's own forward."""
+    import copy
+
+    from granii import granii
+    from granii.runtime.dispatch import layer_states
+    torch.manual_seed(1)
+    edge_index, _, n = graph(dev)
+    conv = layers()[name]().to(dev)
+    ours = copy.deepcopy(conv)
+    x = torch.randn(n, 12, device=dev, requires_grad=True)
+    granii(ours, x, edge_index)
+    for step in range(6):
+        grads = []
+        for m in (conv, ours):
+            x.grad = None
+            m.zero_grad(set_to_none=True)
+            out = m(x, edge_index)
+            out.pow(2).sum().backward()
+            grads.append([x.grad] + [p.grad for p in m.parameters()])
+        torch.testing.assert_close(ours(x, edge_index), conv(x, edge_index), rtol=1e-4,
+                                   atol=1e-5)
+        for a, b in zip(*grads):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{name} step {step}: {m}")
+    st = layer_states(ours)[0]
+    assert st.ran.kind != "fallback", f"{name} fell back: {st.ran}"
+    impls = {i for c in st.chosen.values() for i in (c.get("impls") or ())}
+    assert impls <= GPU_IMPLS, f"{name}: CPU kernels on the GPU: {impls}"
+    return sorted(impls)
+
+
 CHECKS = {f"model_{name}": (lambda dev, name=name: check_model(name, dev))
           for name in ("gcn", "gcn_weighted", "sage", "gat", "gin")}
+CHECKS.update({f"layer_{name}": (lambda dev, name=name: check_layer(name, dev))
+               for name in ("SGConv", "GraphConv", "TAGConv", "APPNP")})
 CHECKS["explain_and_fallback"] = check_explain_and_fallback
 
 

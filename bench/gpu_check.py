@@ -64,6 +64,9 @@ class Run:
         self.rows = []
         self.dev = torch.device("cpu" if args.small else "cuda")
 
+    def wants(self, variant):
+        return self.args.variants is None or variant in self.args.variants
+
     def left(self):
         return self.args.budget - (time.monotonic() - self.t0)
 
@@ -142,6 +145,8 @@ def kernel_checks(run):
         return False
     run.say(f"kernel checks on {dev}, both loop forms side by side")
     t = time.monotonic()
+    if "kernel-checks" not in run.args.steps:
+        return gpu_path_checks(run, env, dev)
     procs = {mode: subprocess.Popen([sys.executable, str(test), "--worker", mode, dev], cwd=ROOT,
                                     env=dict(env, GRANII_TRITON_LOOPS=mode),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -185,6 +190,8 @@ def gpu_path_checks(run, env, dev):
     except subprocess.TimeoutExpired:
         run.row("checks", "gpu path", "all", ok=False, note="timed out")
         return False
+    run.out.mkdir(parents=True, exist_ok=True)
+    (run.out / "gpu_path.log").write_text(proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         run.row("checks", "gpu path", "all", ok=False,
@@ -457,7 +464,7 @@ def model_timings(run, graph, src, dst, n, compiled, label=""):
                 variants["adj_t"] = (model, adj_t_gcn if kind == "gcn" else adj_t)
             variants["triton-plan"] = (plan, None)
         cells.append((kind, model, variants))
-    order = [(k, m, name, v) for k, m, vs in cells for name, v in vs.items()]
+    order = [(k, m, name, v) for k, m, vs in cells for name, v in vs.items() if run.wants(name)]
     for kind, model, name, (fn, graph_arg) in order:
         for training in (False, True):
             mode = "training" if training else "inference"
@@ -756,9 +763,12 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--models", default="gcn,sage,gat")
-    p.add_argument("--steps", default="decisions,social",
-                   help="optional steps: decisions (every plan against granii's choice), social "
-                        "(the models on github-social)")
+    p.add_argument("--steps", default="kernel-checks,kernels,decisions,social,compile",
+                   help="steps: kernel-checks (the Triton kernels' own checks; the GPU path's "
+                        "always run), kernels, decisions (every plan against granii's choice), "
+                        "social (the models on github-social), compile (torch.compile cells)")
+    p.add_argument("--variants", default=None,
+                   help="only these model variants (comma-separated; default: all)")
     args = p.parse_args(argv)
     if args.small:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -781,6 +791,7 @@ def main(argv=None):
         args.gat_heads, args.gat_dim = 8, 16
     args.models = [m for m in args.models.split(",") if m]
     args.steps = [m for m in args.steps.split(",") if m]
+    args.variants = None if args.variants is None else args.variants.split(",")
     if args.small:          # github-social under the interpreter would take hours
         args.steps = [m for m in args.steps if m != "social"]
     run = Run(args)
@@ -808,10 +819,11 @@ def main(argv=None):
     if "decisions" in args.steps:
         decision_timings(run, src, dst, n, "", {k: v for k, v in specs.items()
                                                 if not k.startswith("GAT")})
-    spmm_timings(run, graph, src, dst, n)
-    write_report(run)
-    gat_timings(run, graph, src, dst, n)
-    write_report(run)
+    if "kernels" in args.steps:
+        spmm_timings(run, graph, src, dst, n)
+        write_report(run)
+        gat_timings(run, graph, src, dst, n)
+        write_report(run)
     if "social" in args.steps and run.left() > 40:
         del graph
         s2, d2 = social_graph(run.dev)[:2]
@@ -821,9 +833,11 @@ def main(argv=None):
         model_timings(run, g2, s2, d2, n2, compiled=False, label="@github")
         if "decisions" in args.steps:
             decision_timings(run, s2, d2, n2, "@github", specs)
-        model_timings(run, g2, s2, d2, n2, compiled=True, label="@github")
+        if "compile" in args.steps:
+            model_timings(run, g2, s2, d2, n2, compiled=True, label="@github")
         del g2, s2, d2
-    model_timings(run, CsrGraph.from_coo(src, dst, n, n), src, dst, n, compiled=True)
+    if "compile" in args.steps:
+        model_timings(run, CsrGraph.from_coo(src, dst, n, n), src, dst, n, compiled=True)
     path = write_report(run)
     bad = [r for r in run.rows if r["ok"] == "NO"]
     run.say(f"wrote {path} and {run.out / 'gpu_check.csv'}; {len(bad)} check(s) failed")

@@ -88,11 +88,22 @@ GPU_FACTORS = (("spmm", "torch", 8.0), ("spmm_norm", "torch", 8.0),
 
 
 def describe(device):
+    """The GPU as its cost model is named: model, SMs, memory, CUDA and torch versions."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return f"{dev} (the GPU path on the CPU)"
     p = torch.cuda.get_device_properties(dev)
-    return f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB"
+    return (f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB, "
+            f"CUDA {torch.version.cuda}, torch {torch.__version__}")
+
+
+def free_memory(device, share=0.8):
+    """Bytes a plan's predicted extra memory may take on a GPU ``device``: ``share`` of what
+    the device has free now (``None`` on the CPU, where no such limit is set)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(share * free)
 
 
 def measure_rates(device, size=1 << 24):

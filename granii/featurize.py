@@ -30,6 +30,7 @@ averaged over the ``K`` edges at evenly spaced positions of the CSR (determinist
 import math
 
 import numpy as np
+import torch
 
 LOCALITY_SAMPLES = 1 << 14
 _CHUNK = 1 << 16
@@ -67,6 +68,8 @@ def _chunked_histogram(length, chunk):
 
 def degree_stats(degrees):
     """The ``_DEGREE_STATS`` of an integer degree vector, as a dict."""
+    if isinstance(degrees, torch.Tensor):
+        degrees = degrees.cpu()
     return histogram_stats(np.bincount(np.asarray(degrees, dtype=np.int64)))
 
 
@@ -120,14 +123,14 @@ def _in_histogram(indptr):
 
 def _out_histogram(gi):
     if "csr_out" in gi.cache:
-        return _in_histogram(gi.csr_out()[0].numpy())
-    deg = gi.out_degrees().numpy()
+        return _in_histogram(gi.csr_out()[0].cpu().numpy())
+    deg = gi.out_degrees().cpu().numpy()
     return _chunked_histogram(len(deg), lambda lo, hi: deg[lo:hi].astype(np.int64))
 
 
 def _compute(gi):
     indptr, indices, _ = gi.csr_in()
-    indptr, indices = indptr.numpy(), indices.numpy()
+    indptr, indices = indptr.cpu().numpy(), indices.cpu().numpy()
     n_src, n_dst, e = float(gi.num_src), float(gi.num_dst), float(gi.num_edges)
     density = _div(e, n_src * n_dst)
     avg_in, avg_out = _div(e, n_dst), _div(e, n_src)
@@ -214,6 +217,6 @@ def class_shape(n, e, in_deg, out_deg, stats=None):
         max_in, max_out, std_in = stats
         return (math.log2(1 + n), math.log2(1 + e), math.log2(1 + max_in),
                 math.log2(1 + max_out), math.log2(1 + std_in))
-    d_in, d_out = in_deg.numpy(), out_deg.numpy()
+    d_in, d_out = in_deg.cpu().numpy(), out_deg.cpu().numpy()
     return (math.log2(1 + n), math.log2(1 + e), math.log2(1 + float(d_in.max())),
             math.log2(1 + float(d_out.max())), math.log2(1 + float(d_in.std())))

@@ -175,6 +175,27 @@ CHECKS.update({f"layer_{name}": (lambda dev, name=name: check_layer(name, dev))
 CHECKS["explain_and_fallback"] = check_explain_and_fallback
 
 
+def _host_copies_only():
+    """On the CPU, make ``Tensor.numpy`` (and numpy's conversions) refuse a tensor that was not
+    copied to the host by ``.cpu()``, as it refuses a CUDA tensor: a conversion the GPU path
+    would fail on fails here too."""
+    real_numpy, real_cpu = torch.Tensor.numpy, torch.Tensor.cpu
+
+    def cpu(self, *args, **kwargs):
+        out = real_cpu(self, *args, **kwargs)
+        if out is self and self.layout == torch.strided:
+            out = self.detach().view_as(self) if not self.requires_grad else self.view_as(self)
+        out.__dict__["_on_host"] = True
+        return out
+
+    def numpy(self, *args, **kwargs):
+        if not self.__dict__.get("_on_host"):
+            raise TypeError("can't convert a device tensor to numpy (the GPU path on the CPU: "
+                            "copy it with .cpu() first)")
+        return real_numpy(self, *args, **kwargs)
+    torch.Tensor.cpu, torch.Tensor.numpy = cpu, numpy
+
+
 def worker(dev):
     """Run every check on ``dev`` (``cpu``: the GPU path on CPU tensors, under the interpreter);
     print ``{"results": {check: None or the error}}``."""
@@ -183,6 +204,7 @@ def worker(dev):
     if dev == "cpu":
         from granii import device
         device.GPU_PATH_ON_CPU[0] = True
+        _host_copies_only()
         from granii.kernels.triton import impls
         impls.register()
     results = {}

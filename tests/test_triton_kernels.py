@@ -2,7 +2,9 @@
 schedules, every epilogue, weighted, multi-head), SDDMM (dot, add), edge softmax and the fused GAT,
 outputs and gradients (``gradcheck`` in float64, and float32 gradients against the references), on
 small random graphs: directed with duplicate edges and edges in no particular order, rows without
-in-edges, a skewed graph whose hub row is split into several work items, no edges at all.
+in-edges, a skewed graph whose hub row is split into several work items (the SpMM's partial sums,
+the GAT's partial softmaxes and their merge, and its backward's atomic sums), a bipartite block,
+no edges at all.
 
 Without a GPU the kernels run under Triton's interpreter, which must be switched on
 (``TRITON_INTERPRET=1``) before the kernels are defined; so the checks run in child processes
@@ -141,12 +143,13 @@ def compare(name, ours, ref, inputs, atol=2e-4, rtol=2e-4):
         close(torch.zeros_like(b) if a is None else a, b, f"{name}: gradient {i}", atol, rtol)
 
 
-def gradcheck(fn, inputs, what):
+def gradcheck(fn, inputs, what, nondet_tol=0.0):
     """``torch.autograd.gradcheck`` in float64, fast mode (a few random directions: the
-    interpreter runs each evaluation in Python)."""
+    interpreter runs each evaluation in Python). ``nondet_tol``: how far two backward passes may
+    differ (atomic sums add in any order on a GPU)."""
     inputs = [t.detach().double().requires_grad_(True) for t in inputs]
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5, rtol=1e-4,
-                                    fast_mode=True), what
+                                    fast_mode=True, nondet_tol=nondet_tol), what
 
 
 # -- the checks (run in the worker) --------------------------------------------------------------
@@ -207,8 +210,9 @@ def check_spmm_gradcheck(dev):
         inputs = [torch.randn(n, 2, generator=gen), torch.rand(e, 2, generator=gen),
                   torch.rand(n, generator=gen), torch.rand(n, generator=gen),
                   torch.randn(2, generator=gen), torch.randn(n, 2, generator=gen)]
+        # the split row's pieces add up atomically, in any order on a GPU (nondet_tol)
         gradcheck(lambda x, w, r, c, b, res: spmm(g, x, w, r, c, b, res, schedule=sched),
-                  [t.to(dev) for t in inputs], f"{gname}/{sched}")
+                  [t.to(dev) for t in inputs], f"{gname}/{sched}", nondet_tol=1e-10)
 
 
 def check_segments_split_rows(dev):
@@ -308,6 +312,65 @@ def check_gat_gradcheck(dev):
               torch.randn(2, 3, generator=gen)]
     gradcheck(lambda el, er, f, w, b: gat(g, el, er, f, 0.2, w, b), [t.to(dev) for t in inputs],
               "gat")
+
+
+def _gat_split_graphs(dev):
+    """Graphs whose rows of ``A`` and of ``A^T`` span several GAT work items: the skewed graph
+    (a hub row, many rows without in-edges) and a bipartite block (20 sources, 3 destinations:
+    destination 0 with 15 in-edges, 1 with none; source 0 with 9 out-edges, some sources with
+    none)."""
+    g, src, dst, n = build("skewed", dev)
+    yield "skewed", g, src, dst, n, n
+    from granii.kernels.triton import CsrGraph
+    bsrc = torch.tensor([0] * 9 + list(range(1, 12)) + [5, 7], device=dev)
+    bdst = torch.tensor([0] * 6 + [2] * 3 + [0] * 9 + [2] * 4, device=dev)
+    yield "bipartite", CsrGraph.from_coo(bsrc, bdst, 20, 3), bsrc, bdst, 20, 3
+
+
+def check_gat_split_rows(dev):
+    """The fused GAT where rows are split into pieces: the forward's partial softmaxes merged
+    (``gat_merge_kernel``, also over more pieces than one merge step takes: a small
+    ``MERGE_TILE``),
+    the backward's atomic sums for split sources and ``der``'s for split rows; rows and sources
+    without edges. Outputs and all gradients (weights per head and bias too) against the
+    reference, float32."""
+    from granii.kernels.triton import gat, gat_kernels
+    seg, tile = gat_kernels.SEG, gat_kernels.MERGE_TILE
+    try:
+        for gat_kernels.SEG, gat_kernels.MERGE_TILE in ((8, 4096), (2, 64)):
+            for gname, g, src, dst, ns, nd in _gat_split_graphs(dev):
+                assert g.a.max_len > gat_kernels.SEG and g.at.max_len > gat_kernels.SEG
+                gen = torch.Generator().manual_seed(15)
+                heads, dim = 2, 4
+                el = (3 * torch.randn(ns, heads, generator=gen)).to(dev)
+                er = torch.randn(nd, heads, generator=gen).to(dev)
+                feat = torch.randn(ns, heads, dim, generator=gen).to(dev)
+                w = torch.rand(src.shape[0], heads, generator=gen).to(dev)
+                bias = torch.randn(heads, dim, generator=gen).to(dev)
+                compare(f"{gname}/seg {gat_kernels.SEG}/merge tile {gat_kernels.MERGE_TILE}",
+                        lambda a, b, f, w, bb: gat(g, a, b, f, 0.2, w, bb),
+                        lambda a, b, f, w, bb: ref_gat(src, dst, nd, a, b, f, 0.2, w, bb),
+                        [el, er, feat, w, bias])
+    finally:
+        gat_kernels.SEG, gat_kernels.MERGE_TILE = seg, tile
+
+
+def check_gat_split_gradcheck(dev):
+    """``gradcheck`` (float64) of the fused GAT with split rows and sources (the skewed graph,
+    work items of 4 edges): merge and atomic paths, in all five inputs."""
+    from granii.kernels.triton import gat, gat_kernels
+    seg = gat_kernels.SEG
+    gat_kernels.SEG = 4
+    try:
+        g, src, dst, n = build("skewed", dev)
+        gen = torch.Generator().manual_seed(16)
+        inputs = [torch.randn(n, 2, generator=gen), torch.randn(n, 2, generator=gen),
+                  torch.randn(n, 2, 2, generator=gen), torch.rand(src.shape[0], 2, generator=gen),
+                  torch.randn(2, 2, generator=gen)]
+        gradcheck(lambda el, er, f, w, b: gat(g, el, er, f, 0.2, w, b),
+                  [t.to(dev) for t in inputs], "gat split", nondet_tol=1e-10)
+    finally:
+        gat_kernels.SEG = seg
 
 
 def check_bipartite_and_no_nodes(dev):
@@ -443,7 +506,7 @@ CHECKS = {name[len("check_"):]: fn for name, fn in list(globals().items())
 # form compiled for a GPU) compares the float32 gradients of every epilogue and of the GAT, the
 # calling conventions and the GPU check's widths. On a GPU every check runs in both.
 SKIPPED = "skipped: runs in the other worker under the interpreter"
-STATIC_ONLY = {"spmm_gradcheck", "gat_gradcheck", "spmm_plain"}
+STATIC_ONLY = {"spmm_gradcheck", "gat_gradcheck", "spmm_plain", "gat_split_gradcheck"}
 DYNAMIC_ONLY = {"spmm_fused_grads", "gat", "model_widths", "registry_calls"}
 
 
@@ -492,9 +555,10 @@ def _hazard_kernel_fails():
 def worker(mode, dev):
     import time
 
-    from granii.kernels.triton import spmm_kernels
+    from granii.kernels.triton import gat_kernels, spmm_kernels
     from granii.kernels.triton.launch import recording
     spmm_kernels.SEG = 8        # the small skewed graph's hub row then spans several work items
+    gat_kernels.SEG = 8         # likewise for the fused GAT (its rows of A and of A^T)
     results = {}
     if mode == "static" and dev == "cpu":
         _strict_interpreter()
@@ -636,7 +700,7 @@ def test_compiles_for_gpu(runs):
     every kernel in both loop forms."""
     sigs = representative(runs["static"]["signatures"] + runs["dynamic"]["signatures"])
     kernels = {s[1] for s in sigs}
-    assert len(kernels) == 8, kernels
+    assert len(kernels) == 10, kernels
     assert {dict(s[3]).get("BOUND") == 0 for s in sigs if "BOUND" in dict(s[3])} == {True, False}
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("TRITON_INTERPRET", None)

@@ -2,7 +2,7 @@
 compile the winner, or start a measured tie-break among the close ones."""
 import torch
 
-from ..device import gpu_cost_model
+from ..device import free_memory, gpu_cost_model
 from ..memory import plan_memory
 from ..plan import compile_plan
 from ..select import rank, trial_candidates
@@ -72,8 +72,11 @@ def _decide(state, options, call):
     calls = 1 if call.gi.is_block else options.expected_calls
     ranking = rank(call.compiled.plans, call.gi, call.symbols, model, call.training,
                    call.input_grad, calls, call.input_repeats)
-    if options.memory_limit is not None:
-        ranking = within_memory(ranking, call.symbols, options.memory_limit)
+    limit = options.memory_limit
+    if limit is None and call.gi.gpu:
+        limit = free_memory(call.gi.device)
+    if limit is not None:
+        ranking = within_memory(ranking, call.symbols, limit)
     best = ranking[0]
     fn, code = compile_plan(best.plan, best.impls)
     state.last = (call.symbols, ranking, best, code, call.training,

@@ -51,6 +51,18 @@ def next_pow2(n):
     return 1 << (n - 1).bit_length()
 
 
+def _pieces(whole, split_counts):
+    """Where each piece of a split row keeps its partial result: ``slot[i]`` (-1 for an item that
+    is a whole row, else ``0, 1, ...`` over the other items in order) and ``split_ptr`` (``len +
+    1``): the pieces of the ``r``-th split row are slots ``split_ptr[r] .. split_ptr[r + 1]``
+    (items of one row are consecutive, in the order of the split rows)."""
+    piece = whole == 0
+    slot = torch.where(piece, torch.cumsum(piece.long(), 0) - 1, -1)
+    split_ptr = torch.zeros(split_counts.shape[0] + 1, dtype=torch.long, device=whole.device)
+    split_ptr[1:] = torch.cumsum(split_counts, 0)
+    return slot, split_ptr
+
+
 def _segments(indptr, seg):
     """Work items of at most ``seg`` edges: every row is one item, a row longer than ``seg`` is
     split into ``ceil(deg / seg)`` items. Returns ``(row, start, end, whole, split_rows)``: item
@@ -75,8 +87,8 @@ def _segments(indptr, seg):
 class Csr:
     """One CSR matrix: ``indptr`` (rows + 1), ``indices`` (nnz), shape ``(rows, cols)``.
 
-    ``row_of`` (the row of each entry) and the load-balancing items (``segments``) are made on
-    first use and kept."""
+    ``row_of`` (the row of each entry), the load-balancing items (``segments``) and the slots of
+    split rows' pieces (``pieces``) are made on first use and kept."""
 
     def __init__(self, indptr, indices, rows, cols):
         self.indptr, self.indices, self.rows, self.cols = indptr, indices, int(rows), int(cols)
@@ -85,6 +97,7 @@ class Csr:
         self.max_len = int(deg.max()) if rows else 0
         self._row_of = None
         self._segments = {}
+        self._pieces = {}
 
     @property
     def row_of(self):
@@ -103,6 +116,19 @@ class Csr:
             self._segments[seg] = (row.to(cast), start.to(cast), end.to(cast), whole,
                                    split.to(cast))
         return self._segments[seg]
+
+    def pieces(self, seg):
+        """``(slot, split_ptr, most)`` of the split rows' pieces for items of ``seg`` edges
+        (``_pieces``), ``most`` the largest number of pieces of one row; once per ``seg``."""
+        if seg not in self._pieces:
+            whole, split = self.segments(seg)[3:5]
+            deg = (self.indptr[1:] - self.indptr[:-1]).long()[split.long()]
+            counts = (deg + seg - 1) // seg
+            slot, split_ptr = _pieces(whole, counts)
+            most = int(counts.max()) if counts.numel() else 0
+            cast = self.indptr.dtype
+            self._pieces[seg] = (slot.to(cast), split_ptr.to(cast), most)
+        return self._pieces[seg]
 
     def bound(self, block):
         """``BOUND`` of the row loops (module docstring): 0 for dynamic bounds, else the largest row

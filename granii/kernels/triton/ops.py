@@ -7,7 +7,7 @@ of the transpose where a sum runs over the sources (``CsrGraph.at``, built once 
 """
 import torch
 
-from granii.kernels.triton.gat_kernels import gat_backward_csr, gat_forward_csr
+from granii.kernels.triton.gat_kernels import edge_row_sums, gat_backward_csr, gat_forward_csr
 from granii.kernels.triton.sddmm_kernels import sddmm_add_csr, sddmm_dot_csr
 from granii.kernels.triton.softmax_kernels import edge_softmax_backward_csr, edge_softmax_csr
 from granii.kernels.triton.spmm_kernels import choose_schedule, spmm_csr
@@ -211,7 +211,7 @@ class GatFn(torch.autograd.Function):
         need_w = w is not None and ctx.needs_input_grad[3]
         dfeat, del_, dx_edge, dw_edge = gat_backward_csr(graph, el, er, feat, w, lse, dout, dsum,
                                                          ctx.slope, need_w)
-        der = row_sums(graph.a, dx_edge) if ctx.needs_input_grad[1] else None
+        der = edge_row_sums(graph.a, dx_edge) if ctx.needs_input_grad[1] else None
         dbias = None
         if b is not None and ctx.needs_input_grad[4]:
             dbias = dout.sum(dim=0).reshape(ctx.bias_shape)

@@ -3,29 +3,33 @@
     python bench/gpu_check.py [--nodes 2000000] [--budget 330] [--out DIR]
     python bench/gpu_check.py --small      # CPU, Triton's interpreter, seconds (a test runs it)
 
-Steps, each printed as it starts, each skipped (and said so in the report) once ``--budget``
-seconds are spent:
+Steps (``--steps`` picks them), each printed as it starts, each skipped (and said so in the
+report) once ``--budget`` seconds are spent:
 
-1. **Kernel checks**: the checks of ``tests/test_triton_kernels.py`` (outputs and gradients against
-   torch references on small graphs), in both loop-bound forms, compiled for this GPU; no pytest
-   needed (the test file's worker is run directly).
-2. **Graph**: the power-law graph of issue 37: ``nodes/... * 10`` edges with uniform sources and
+1. **Checks**: ``tests/test_triton_kernels.py``'s (outputs and gradients against torch
+   references on small graphs, both loop-bound forms, compiled for this GPU) and
+   ``tests/test_gpu_path.py``'s (``granii(model, x, edge_index)`` on PyG models on the GPU
+   against PyG), their workers run directly (no pytest), compiling into a cache of their own.
+2. **Graph**: the power-law graph of issue 37: ``nodes * 10`` edges with uniform sources and
    destinations ``floor(N u^3)``, made symmetric, duplicates and loops removed, one self loop a
    node (2M nodes: about 40M edges plus 2M loops).
-3. **Kernels** (median of ``--reps`` after warm-up, CUDA events): SpMM ``A X`` at 32 and 128
-   features by cuSPARSE (``torch.sparse.mm`` on CSR), PyG's gather-scatter (``x[src]`` then
-   ``scatter`` by destination), granii's ``rows`` and ``segments`` schedules; SpMM forward and
-   backward (cuSPARSE re-transposes, granii walks its kept transpose); the fused GAT forward and
-   backward (8 heads x 16) against the same computation by edges in torch, eager and compiled.
-   Each output is checked against cuSPARSE's (SpMM) or the edge-wise torch result (GAT).
-4. **Models**: 2-layer GCN, GAT (8 heads) and GraphSAGE, 128 -> 128 -> 16, as PyG's examples write
-   them; a training step (forward, cross entropy, backward, Adam) and inference, for PyG eager
-   (``edge_index``), PyG with a CSR ``adj_t`` (GCN, SAGE), ``torch.compile`` of the PyG model
-   (its first call, with the compilation, in the note; these cells run last) and ``triton-plan``: the same parameters run by a forward
-   composed of granii's Triton kernels by hand (GEMM first, then one fused SpMM with the
-   normalisation, bias and ReLU as its epilogue; GAT's fused kernel). ``triton-plan`` is what a
-   plan on the GPU would run, not granii's dispatcher choosing it: that integration is not done.
-   Its outputs, loss and gradients are checked against PyG eager's with the same parameters.
+3. **Models**: 2-layer GCN, GAT (8 heads) and GraphSAGE, 128 -> 128 -> 16, as PyG's examples write
+   them; a training step (forward, cross entropy, backward, Adam) and inference: PyG eager
+   (``edge_index``), ``granii`` (a copy optimized by ``granii(model, x, edge_index)`` at its
+   first call, which the first call's time holds, Triton's compilation included),
+   ``granii-noreuse`` (the ablation without work on the fixed features kept), PyG with a CSR
+   ``adj_t`` (GCN, SAGE), ``triton-plan`` (the same parameters through a forward of granii's
+   Triton kernels composed by hand) and last ``torch.compile`` of the PyG model. Each cell's
+   median and its ms per call over the first 100 calls (the first included); outputs, loss and
+   gradients checked against the first variant's.
+4. **Decisions**: single layers; granii's settled choice against every plan and kernel choice
+   (``pyg.plan_choices``) and PyG's forward, timed alike; the regret.
+5. **Kernels** (median of ``--reps`` after warm-up, CUDA events): SpMM at 32 and 128 features by
+   cuSPARSE, PyG's gather-scatter and granii's schedules, forward and forward + backward; the
+   fused GAT against the same computation by edges in torch, eager and compiled; each checked.
+6. **github-social**: the models and decisions on the shipped graph (``social``).
+7. **Profile**: this GPU's cost model (``granii/profiling/gpu.py``): ``gpu_points.csv`` and
+   ``gpu_model.json`` beside the report, for ``costmodels/gpu/``.
 
 Writes ``report.md`` and ``gpu_check.csv`` to ``--out`` (default: ``$OUT`` when set, else
 ``results/gpu``). An out-of-memory error is recorded as such for that cell, not a failure.
@@ -763,10 +767,12 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--models", default="gcn,sage,gat")
-    p.add_argument("--steps", default="kernel-checks,kernels,decisions,social,compile",
+    p.add_argument("--steps", default="kernel-checks,kernels,decisions,social,profile,compile",
                    help="steps: kernel-checks (the Triton kernels' own checks; the GPU path's "
                         "always run), kernels, decisions (every plan against granii's choice), "
-                        "social (the models on github-social), compile (torch.compile cells)")
+                        "social (the models on github-social), profile (this GPU's cost model: "
+                        "gpu_points.csv, gpu_model.json), compile (torch.compile cells)")
+    p.add_argument("--profile-budget", type=float, default=60.0)
     p.add_argument("--variants", default=None,
                    help="only these model variants (comma-separated; default: all)")
     args = p.parse_args(argv)
@@ -836,6 +842,10 @@ def main(argv=None):
         if "compile" in args.steps:
             model_timings(run, g2, s2, d2, n2, compiled=True, label="@github")
         del g2, s2, d2
+    if "profile" in args.steps and not args.small and run.left() > args.profile_budget + 30:
+        from granii.profiling.gpu import profile
+        run.say("profile: this GPU's cost model")
+        profile(run.dev, run.out, budget=args.profile_budget, log=run.say)
     if "compile" in args.steps:
         model_timings(run, CsrGraph.from_coo(src, dst, n, n), src, dst, n, compiled=True)
     path = write_report(run)

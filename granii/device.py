@@ -13,6 +13,7 @@ interpreter (``TRITON_INTERPRET=1``): the same choices and kernels, where no GPU
 import functools
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -61,20 +62,31 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(cuda)
 
 
+GPU_MODELS = Path(__file__).resolve().parent.parent / "costmodels" / "gpu"
+
+
 @functools.lru_cache(maxsize=None)
-def gpu_cost_model(device):
-    """The analytical cost model (``costmodel.AnalyticalCost``) of GPU ``device`` (a string),
-    its rates measured once per process (``measure_rates``): no model trained on GPU timings is
-    shipped yet, so the measured tie-break settles the close choices. Warns once."""
+def gpu_cost_model(device, folder=None):
+    """The cost model of GPU ``device`` (a string): the model fitted to timings profiled on
+    this GPU (``granii/profiling/gpu.py``) in ``folder`` (default ``costmodels/gpu/``) when
+    one names this GPU, pricing what it has; for the rest, and on a GPU without one (with a
+    warning), the analytical model (``costmodel.AnalyticalCost``) with the card's rates
+    measured once per process (``measure_rates``). The measured tie-break then settles the
+    close choices."""
     from .costmodel import AnalyticalCost
+    from .gpu_costmodel import load
     rates = measure_rates(torch.device(device))
+    analytical = AnalyticalCost(name=f"analytical-gpu ({describe(device)})",
+                                impl_factor=GPU_FACTORS, call_overhead=8e-6, **rates)
+    fitted = load(GPU_MODELS if folder is None else folder, describe(device), analytical)
+    if fitted is not None:
+        return fitted
     warnings.warn(f"granii: no cost models trained on this GPU ({describe(device)}); pricing "
                   f"plans by its measured rates ({rates['stream_rate'] / 1e9:.0f} GB/s stream, "
                   f"{rates['gather_rate'] / 1e9:.0f} GB/s gather, "
                   f"{rates['flop_rate'] / 1e12:.1f} TFLOP/s) and timing the close ones",
                   RuntimeWarning, stacklevel=2)
-    return AnalyticalCost(name=f"analytical-gpu ({describe(device)})", impl_factor=GPU_FACTORS,
-                          call_overhead=8e-6, **rates)
+    return analytical
 
 
 # Relative speed of implementations on the GPU, read off results/gpu/report.md (H200): PyG's

@@ -55,8 +55,18 @@ def uniform(n, m, seed=0, undirected=False):
     return make_graph(keys // n, keys % n, n, undirected, remove_self_loops=False, dedupe=True)
 
 
-def graph_inputs(prim, gi, sizes, seed=0):
-    """Arguments after ``gi`` of a call of ``prim`` on ``gi`` with ``sizes`` (no grad)."""
+def graph_inputs(prim, gi, sizes, seed=0, device=None):
+    """Arguments after ``gi`` of a call of ``prim`` on ``gi`` with ``sizes`` (no grad), on
+    ``device`` (drawn on the CPU, so a seed gives the same values on every device)."""
+    args = _graph_inputs(prim, gi, sizes, seed)
+    return args if device is None else _to(args, device)
+
+
+def _to(args, device):
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _graph_inputs(prim, gi, sizes, seed):
     gen_ = torch.Generator().manual_seed(seed)
     n_src, n_dst, e = gi.num_src, gi.num_dst, gi.num_edges
     if prim == "spmm_norm":
@@ -92,7 +102,13 @@ def graph_inputs(prim, gi, sizes, seed=0):
     raise KeyError(f"granii: no profiling inputs for {prim}")
 
 
-def dense_inputs(prim, sizes, seed=0):
+def dense_inputs(prim, sizes, seed=0, device=None):
+    """Arguments of a call of the dense primitive ``prim`` with ``sizes``, on ``device``."""
+    args = _dense_inputs(prim, sizes, seed)
+    return args if device is None else _to(args, device)
+
+
+def _dense_inputs(prim, sizes, seed):
     gen_ = torch.Generator().manual_seed(seed)
     if prim == "gemm":
         return (torch.randn(sizes["m"], sizes["k"], generator=gen_),

@@ -247,13 +247,15 @@ def available_bytes():
 
 
 # -- inputs ----------------------------------------------------------------------------------------
-def runners(prim, gi, sizes, impls, phase="forward"):
-    """``{impl: zero-argument callable}`` running ``prim`` by each implementation on one input.
+def runners(prim, gi, sizes, impls, phase="forward", device=None):
+    """``{impl: zero-argument callable}`` running ``prim`` by each implementation on one input
+    (on ``device``; by default the CPU's, or the graph's for graph primitives).
 
     In the ``"train"`` phase a call is the forward with autograd and the backward of the
     operands ``TRAIN_GRADS[prim]`` (``torch.autograd.grad`` with a fixed random output gradient,
     so nothing accumulates between calls)."""
-    args = dense_inputs(prim, sizes) if gi is None else graph_inputs(prim, gi, sizes)
+    args = dense_inputs(prim, sizes, device=device) if gi is None else \
+        graph_inputs(prim, gi, sizes, device=device)
     lead = () if gi is None else (gi,)
     if phase == "forward":
         return {i: (lambda fn=kernels.get(prim, i): fn(*lead, *args)) for i in impls}
@@ -267,7 +269,8 @@ def runners(prim, gi, sizes, impls, phase="forward"):
         fn = kernels.get(prim, i)
         with torch.no_grad():
             shape = fn(*lead, *args).shape
-        dy = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        dy = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(
+            wrt[0].device)
 
         def run(fn=fn, dy=dy):
             with torch.enable_grad():

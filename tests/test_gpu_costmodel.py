@@ -1,0 +1,103 @@
+"""The GPU's fitted cost model (``granii/gpu_costmodel.py``) and its profiler
+(``granii/profiling/gpu.py``): the fit recovers known coefficients, and a profile made on the GPU
+path (here on the CPU, the Triton kernels under the interpreter, in a child process) writes its
+timings and a model that the GPU path then loads for that device and prices with."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from granii.gpu_costmodel import FittedCost, features, fit, load
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_fit_recovers_the_terms_of_a_sum():
+    """Timings made by ``t = 5 us + 2e-11 E k + 3e-10 dmax k`` (an SpMM whose hub row bounds it)
+    give back those coefficients and price an unseen size within 1%."""
+    pytest.importorskip("scipy")
+    true = [5e-6, 2e-11, 0.0, 0.0, 3e-10]
+    rows = []
+    for n in (1000, 30000, 500000):
+        for d in (3, 20):
+            for k in (16, 128):
+                for dmax in (d, 40 * d):
+                    x = features("spmm", n, n, n * d, dmax, {"k": k})
+                    rows.append(("spmm", "triton", "forward", n, n, n * d, dmax, {"k": k},
+                                 sum(c * v for c, v in zip(true, x))))
+    coef = fit(rows)[("spmm", "triton", "forward")]
+    assert all(c >= 0 for c in coef)
+    for got, want in zip(coef, true):
+        assert math.isclose(got, want, rel_tol=1e-3, abs_tol=1e-15), (coef, true)
+
+
+class _Analytical:
+    name = "analytical"
+
+    def predict(self, prim, impl, gi, dims):
+        return 1.0
+
+
+def test_a_fitted_model_prices_what_it_has_and_falls_back(tmp_path):
+    data = {"format": 1, "gpu": "NVIDIA H200, 132 SMs, 140 GiB, CUDA 13.0, torch 2.11",
+            "points": 3, "models": [{"prim": "gemm", "impl": "torch", "phase": "forward",
+                                     "coef": [1e-5, 1e-12, 0.0]}]}
+    (tmp_path / "h200").mkdir()
+    (tmp_path / "h200" / "gpu_model.json").write_text(json.dumps(data))
+    assert load(tmp_path, "NVIDIA H100 80GB HBM3, 132 SMs, 79 GiB", _Analytical()) is None
+    model = load(tmp_path, "NVIDIA H200, 132 SMs, 140 GiB, CUDA 13.1, torch 2.12",
+                 _Analytical())
+    assert isinstance(model, FittedCost) and model.has_model("gemm", "torch")
+    t = model.predict("gemm", "torch", None, {"m": 1000, "k": 100, "n": 10})
+    assert math.isclose(t, 1e-5 + 1e-12 * 1e6)
+    assert model.predict("spmm", "triton", None, {"k": 4}) == 1.0       # the fallback's
+    assert model.predict_train("gemm", "torch", None, {"m": 1, "k": 1, "n": 1}) is None
+
+
+def _skip():
+    try:
+        from granii.kernels.triton import available
+        return None if available() else "Triton older than 3.0"
+    except ImportError as e:
+        return f"no Triton ({e})"
+
+
+PROFILE = """
+import json, sys, torch, warnings
+warnings.simplefilter("ignore")
+from granii import device
+device.GPU_PATH_ON_CPU[0] = True
+from granii.profiling import gpu
+out = sys.argv[1]
+gpu.profile(torch.device("cpu"), out, budget=600, nodes=(24,), degrees=(3,), widths=(4,),
+            heads=((2, 2),), gemm=[(64, 8, 8), (256, 16, 16)], rows_grid=[(64, 8)],
+            prims=("spmm_norm", "gat_aggregate"), log=lambda *a: None)
+model = device.gpu_cost_model("cpu", out)
+from granii.pyg.graph import IndexGraph, graph_info
+gi = graph_info(IndexGraph(torch.tensor([0, 1, 2]), torch.tensor([1, 2, 0]), 3))
+print(json.dumps({"name": model.name,
+                  "spmm_norm": model.predict("spmm_norm", "triton", gi, {"k": 4}),
+                  "has": model.has_model("spmm_norm", "triton")}))
+"""
+
+
+@pytest.mark.skipif(_skip() is not None, reason=_skip() or "")
+def test_a_profile_on_the_gpu_path_gives_the_model_it_then_loads(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", PROFILE, str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["name"].startswith("fitted-gpu") and got["has"], got
+    assert got["spmm_norm"] > 0
+    rows = (tmp_path / "gpu_points.csv").read_text().splitlines()
+    prims = {r.split(",")[0] for r in rows[1:]}
+    assert {"gemm", "row_scale", "spmm_norm", "gat_aggregate"} <= prims, prims
+    data = json.loads((tmp_path / "gpu_model.json").read_text())
+    assert data["gpu"].startswith("cpu") and data["points"] == len(rows) - 1
+    assert {(m["prim"], m["impl"]) for m in data["models"]} >= {("spmm_norm", "triton"),
+                                                                ("gat_aggregate", "triton")}

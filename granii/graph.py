@@ -161,7 +161,7 @@ class GraphInfo:
         otherwise counted from its edge list, which is all a new ``dgl.batch`` or ``dgl.graph``
         holds, by one counting sort (``edge_list_csc``): DGL building its index costs
         several times that. Not cached: a caller keeps what it derives."""
-        edges = self.edge_list()
+        edges = None if self.gpu else self.edge_list()     # the CPU's native counting sort
         if edges is not None:
             built = edge_list_csc(*edges, self.num_dst)
             if built is not None:

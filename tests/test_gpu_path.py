@@ -196,6 +196,54 @@ def _host_copies_only():
     torch.Tensor.cpu, torch.Tensor.numpy = cpu, numpy
 
 
+class HostTensors(torch.overrides.TorchFunctionMode):
+    """On the CPU, the other half of what CUDA refuses: an operation mixing a tensor made on the
+    host (by a factory call naming no device, or by ``.cpu()``) with one on the device (the
+    inputs, the parameters, and everything made from them or with an explicit ``device=``), and
+    granii's C++ kernels (CPU only) called on device tensors. Indexing with host indices and
+    ``copy_`` across devices are allowed, as CUDA allows them; tensors with no dimensions are
+    allowed anywhere."""
+    FACTORIES = {"zeros", "ones", "empty", "full", "arange", "tensor", "randn", "rand",
+                 "randint", "eye", "linspace", "as_tensor", "from_numpy", "randperm"}
+    MIXING_ALLOWED = {"__getitem__", "__setitem__", "copy_", "to", "cpu", "numpy", "tolist",
+                      "item", "__get__", "__set__", "__repr__", "__format__", "equal"}
+
+    def __init__(self):
+        super().__init__()
+        self.host = {}
+
+    def _is_host(self, t):
+        ref = self.host.get(id(t))
+        return ref is not None and ref() is t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        from torch.utils._pytree import tree_flatten
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        sized = [t for t in tensors if t.dim() > 0 and t.layout == torch.strided]
+        host = [self._is_host(t) for t in sized]
+        op = str(getattr(func, "_qualified_op_name", getattr(func, "name", "")))
+        if op.startswith("granii::") and not all(host):
+            raise RuntimeError(f"{op}: granii's C++ kernel on device tensors")
+        if any(host) and not all(host) and name not in self.MIXING_ALLOWED:
+            raise RuntimeError(f"{name}: a host tensor mixed with device tensors (on a GPU: "
+                               "'Expected all tensors to be on the same device')")
+        out = func(*args, **kwargs)
+        if name in ("to", "cuda") and (len(args) > 1 and isinstance(args[1], (torch.device, str))
+                                       or "device" in kwargs):
+            self.host.pop(id(out), None)        # moved to the device (the same object here)
+            return out
+        if name == "cpu" or name in self.FACTORIES and "device" not in kwargs or \
+                name not in ("to",) and sized and all(host):
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor):
+                    self.host[id(o)] = weakref.ref(o)
+        return out
+
+
 def worker(dev):
     """Run every check on ``dev`` (``cpu``: the GPU path on CPU tensors, under the interpreter);
     print ``{"results": {check: None or the error}}``."""
@@ -210,11 +258,15 @@ def worker(dev):
     results = {}
     for name, fn in CHECKS.items():
         try:
-            out = fn(dev)
+            if dev == "cpu":
+                with HostTensors():
+                    out = fn(dev)
+            else:
+                out = fn(dev)
             results[name] = None
             print(f"{name}: ok {out if out else ''}", file=sys.stderr)
         except Exception:
-            results[name] = traceback.format_exc(limit=8)
+            results[name] = traceback.format_exc(limit=-10)
             print(f"{name}: FAILED\n{results[name]}", file=sys.stderr)
     return {"results": results}
 

@@ -31,7 +31,7 @@ def _structure(gi):
     def make():
         small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
         native = sys.modules.get("granii.kernels.native")
-        if small and native is not None and native.available():
+        if small and native is not None and native.available() and not gi.gpu:
             return _from_native(gi, native)
         cast = (lambda t: t.int()) if small else (lambda t: t)
         crow, col, perm = gi.csr_in()

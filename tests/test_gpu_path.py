@@ -168,10 +168,48 @@ def check_layer(name, dev):
     return sorted(impls)
 
 
+def check_every_choice(dev):
+    """Every plan and kernel choice of GCN (with edge weights), SAGE, GAT and GIN layers on the
+    GPU path (``pyg.plan_choices``: each implementation of each step runs in place once), with
+    gradients: the layer's outputs and gradients. The dispatcher runs only the few it picks."""
+    from torch_geometric import nn
+
+    from granii import pyg
+    edge_index, w, n = graph(dev)
+    specs = {"GCNConv": (lambda: nn.GCNConv(12, 6), True),
+             "SAGEConv": (lambda: nn.SAGEConv(12, 6), False),
+             "GATConv": (lambda: nn.GATConv(12, 3, heads=2), False),
+             "GINConv": (lambda: nn.GINConv(torch.nn.Linear(12, 6), train_eps=True), False)}
+    ran = 0
+    for name, (make, weighted) in specs.items():
+        torch.manual_seed(2)
+        conv = make().to(dev)
+        x = torch.randn(n, 12, device=dev, requires_grad=True)
+        args = (x, edge_index, w) if weighted else (x, edge_index)
+        want = conv(*args)
+        dy = torch.randn_like(want)
+        want_grads = torch.autograd.grad(want, [x, *conv.parameters()], dy)
+        prepared = pyg.prepare(conv, *args)
+        choices = pyg.plan_choices(prepared)
+        assert choices, f"{name}: no plan runs on the GPU path"
+        for plan, impls in choices:
+            assert set(impls) <= GPU_IMPLS, (name, impls)
+            got = pyg.run(prepared, plan, impls)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{name} [{plan.index}] {impls}: {m}")
+            grads = torch.autograd.grad(got, [x, *conv.parameters()], dy, allow_unused=True)
+            for g, wg in zip(grads, want_grads):
+                torch.testing.assert_close(g if g is not None else torch.zeros_like(wg), wg,
+                                           rtol=1e-4, atol=1e-5)
+            ran += 1
+    return ran
+
+
 CHECKS = {f"model_{name}": (lambda dev, name=name: check_model(name, dev))
           for name in ("gcn", "gcn_weighted", "sage", "gat", "gin")}
 CHECKS.update({f"layer_{name}": (lambda dev, name=name: check_layer(name, dev))
                for name in ("SGConv", "GraphConv", "TAGConv", "APPNP")})
+CHECKS["every_choice"] = check_every_choice
 CHECKS["explain_and_fallback"] = check_explain_and_fallback
 
 

@@ -205,11 +205,37 @@ def check_every_choice(dev):
     return ran
 
 
+def check_graph_inputs(dev):
+    """A ``torch.sparse`` CSR adjacency (SAGE) and PyG's ``EdgeIndex`` (GCN) on the GPU path:
+    every plan and kernel choice gives the layer's output."""
+    from torch_geometric import EdgeIndex, nn
+
+    from granii import pyg
+    edge_index, _, n = graph(dev)
+    order = torch.argsort(edge_index[1], stable=True)
+    crow = torch.zeros(n + 1, dtype=torch.long, device=dev)
+    crow[1:] = torch.cumsum(torch.bincount(edge_index[1], minlength=n), 0)
+    adj_t = torch.sparse_csr_tensor(crow, edge_index[0][order],
+                                    torch.ones(edge_index.shape[1], device=dev), size=(n, n))
+    x = torch.randn(n, 12, device=dev)
+    ran = 0
+    for conv, g in ((nn.SAGEConv(12, 5).to(dev), adj_t),
+                    (nn.GCNConv(12, 5).to(dev), EdgeIndex(edge_index, sparse_size=(n, n)))):
+        want = conv(x, g)
+        prepared = pyg.prepare(conv, x, g)
+        for plan, impls in pyg.plan_choices(prepared):
+            torch.testing.assert_close(pyg.run(prepared, plan, impls), want, rtol=1e-4,
+                                       atol=1e-5)
+            ran += 1
+    return ran
+
+
 CHECKS = {f"model_{name}": (lambda dev, name=name: check_model(name, dev))
           for name in ("gcn", "gcn_weighted", "sage", "gat", "gin")}
 CHECKS.update({f"layer_{name}": (lambda dev, name=name: check_layer(name, dev))
                for name in ("SGConv", "GraphConv", "TAGConv", "APPNP")})
 CHECKS["every_choice"] = check_every_choice
+CHECKS["graph_inputs"] = check_graph_inputs
 CHECKS["explain_and_fallback"] = check_explain_and_fallback
 
 

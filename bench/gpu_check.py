@@ -39,7 +39,6 @@ import copy
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,26 +106,10 @@ class Run:
     def time(self, fn, reps=None, warmup=None):
         """Median milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` calls (1 on a GPU,
         none under the interpreter, where nothing is compiled)."""
+        from granii.profiling.gpu import timed
         reps = self.args.reps if reps is None else reps
         warmup = (0 if self.args.small else 1) if warmup is None else warmup
-        for _ in range(warmup):
-            fn()
-        self.sync()
-        times = []
-        for _ in range(reps):
-            if self.dev.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t = time.perf_counter()
-                fn()
-                times.append(1e3 * (time.perf_counter() - t))
-        return statistics.median(times)
+        return 1e3 * timed(fn, self.dev.type == "cuda", reps, warmup)
 
 
 def is_oom(ex):

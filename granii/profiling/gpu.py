@@ -48,10 +48,13 @@ def make_graph(n, degree, skewed, device, seed=0):
     return graph_info(IndexGraph(src, dst, n))
 
 
-def timed(fn, gpu, repeat=REPEAT):
-    """Median seconds of ``fn()`` after one warm-up call: CUDA events on a GPU, else the host
-    clock."""
-    fn()
+def timed(fn, gpu, repeat=REPEAT, warmup=1):
+    """Median seconds of ``fn()`` over ``repeat`` calls after ``warmup`` calls: CUDA events on a
+    GPU, else the host clock."""
+    for _ in range(warmup):
+        fn()
+    if gpu:
+        torch.cuda.synchronize()
     times = []
     for _ in range(repeat):
         if gpu:

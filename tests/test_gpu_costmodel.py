@@ -101,3 +101,28 @@ def test_a_profile_on_the_gpu_path_gives_the_model_it_then_loads(tmp_path):
     assert data["gpu"].startswith("cpu") and data["points"] == len(rows) - 1
     assert {(m["prim"], m["impl"]) for m in data["models"]} >= {("spmm_norm", "triton"),
                                                                 ("gat_aggregate", "triton")}
+
+
+def test_the_gpu_path_takes_gpu_kernels_only_and_the_cpu_none_of_triton():
+    from granii.device import GPU_IMPLS, free_memory, runs_on
+    assert {i for i in ("native", "dgl", "torch", "torch_csr", "triton", "inline")
+            if runs_on(i, gpu=True)} == set(GPU_IMPLS)
+    assert not runs_on("triton", gpu=False) and runs_on("native", gpu=False)
+    assert free_memory(torch.device("cpu")) is None
+
+
+def test_measured_rates_and_the_analytical_gpu_model_without_a_fitted_one(tmp_path):
+    """Without a model for this device in the folder, the GPU path prices by the analytical
+    model with rates measured on the device, and says so."""
+    from granii import device
+    rates = device.measure_rates(torch.device("cpu"))
+    assert set(rates) == {"stream_rate", "gather_rate", "flop_rate"}
+    assert all(v > 0 and math.isfinite(v) for v in rates.values())
+    with pytest.warns(RuntimeWarning, match="no cost models trained on this GPU"):
+        model = device.gpu_cost_model("cpu", str(tmp_path))
+    assert model.name.startswith("analytical-gpu")
+    from granii.pyg.graph import IndexGraph, graph_info
+    gi = graph_info(IndexGraph(torch.tensor([0, 1, 2]), torch.tensor([1, 2, 0]), 3))
+    slow = model.predict("spmm", "torch", gi, {"n": 3, "k": 64})       # PyG-style scatter
+    fast = model.predict("spmm", "triton", gi, {"n": 3, "k": 64})
+    assert slow > fast > 0

@@ -49,6 +49,18 @@ def synchronize(gpu):
         torch.cuda.synchronize()
 
 
+def is_out_of_memory(error):
+    """Whether ``error`` is an allocation failure (CUDA's, or a CPU allocator's)."""
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
+    return isinstance(error, oom) or "out of memory" in str(error).lower()
+
+
+def free_cached_memory():
+    """Give the CUDA caching allocator's free blocks back after an allocation failed."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def rng_state(gpu):
     """The random-number states a plan's first run may draw from (restored when it raises)."""
     cuda = gpu and torch.cuda.is_available() and torch.cuda.is_initialized()

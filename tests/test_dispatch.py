@@ -1415,3 +1415,43 @@ def test_a_training_turn_finds_the_backward_index_built():
     gi.cache.pop(("native_csr", "at"), None)
     layer(g, x)                              # no backward follows: nothing built for it
     assert ("native_csr", "at") not in gi.cache
+
+
+def test_an_original_forward_out_of_memory_in_its_turn_leaves_the_trial(monkeypatch):
+    """A layer's own forward that runs out of memory in its tie-break turn (PyG's GAT on a large
+    graph, where granii's plans fit) is dropped from the trial with a warning; that call runs a
+    plan instead, with the random numbers given back, and every call gives DGL's results."""
+    from granii.runtime import dispatch
+    g = _graph()
+    torch.manual_seed(0)
+    ref = TwoLayers()
+    model = copy.deepcopy(ref)
+    x = torch.randn(g.num_nodes(), 12)
+    granii(model, g, x, cost_model=AnalyticalCost())
+    real = dispatch.original_forward
+    ran_out = []
+
+    def out_of_memory(layer, args, kwargs):
+        if dispatcher_turn(layer):
+            ran_out.append(layer)
+            torch.rand(3)                   # draws, as a forward would, before it fails
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 90 GiB")
+        return real(layer, args, kwargs)
+
+    def dispatcher_turn(layer):
+        return any(st.module is layer for st in layer_states(model))
+    monkeypatch.setattr(dispatch, "original_forward", out_of_memory)
+    with pytest.warns(RuntimeWarning, match="ran out of memory"):
+        for i in range(40):
+            torch.manual_seed(100 + i)
+            out = model(g, x)
+            torch.manual_seed(100 + i)
+            torch.testing.assert_close(out, ref(g, x), atol=1e-5, rtol=1e-4)
+            out.square().sum().backward()
+    assert ran_out, "no turn of the original forward was tried"
+    for st in layer_states(model):
+        assert st.tuned is not None
+        times, kept = st.tuned
+        assert kept != "original forward"
+        assert all(label != "original forward" for label, _ in times)
+        assert st.ran.kind == "plan"

@@ -11,7 +11,8 @@ import warnings
 import torch
 import torch.utils.checkpoint
 
-from ..device import rng_state, set_rng_state, synchronize
+from ..device import (free_cached_memory, is_out_of_memory, rng_state, set_rng_state,
+                      synchronize)
 from ..kernels import native, pool
 from ..plan import REUSE
 from .bind import _UserError, _call_shape, prepare, recompute_key
@@ -265,9 +266,16 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
     call, args, kwargs = _own_gradients(call, args, kwargs)
     _shared_backward_index(call, layer)
     gpu = call.gi.gpu
+    rng = rng_state(gpu) if fn is None else None
     synchronize(gpu)
     t0 = time.perf_counter()
-    out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
+    try:
+        out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
+    except Exception as e:       # noqa: BLE001 - only the original forward's turn, out of memory
+        if fn is not None or not is_out_of_memory(e) or len(trial.candidates) < 2:
+            raise
+        set_rng_state(rng)
+        return _without_original(state, per_graph, dkey, trial, call, layer, args, kwargs, e)
     synchronize(gpu)
     seconds = (time.perf_counter() - t0) / scale
     if state.ran.kind != "fallback" and not _INSPECTING[0]:
@@ -289,6 +297,19 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
         state.tuned = ([(lb, t * scale) for lb, t in trial.report()], per_graph[dkey][0])
         state.chosen[decision_key(call)] = _describe(per_graph[dkey], call)
     return out
+
+
+def _without_original(state, per_graph, dkey, trial, call, layer, args, kwargs, error):
+    """The original forward ran out of memory in its turn (PyG's GAT on a large graph holds
+    heads x features per edge, where granii's plans do not): the trial goes on without it, and
+    this call runs the next candidate, with the random numbers the original drew given back."""
+    trial.candidates = [c for c in trial.candidates if c[0] != ORIGINAL]
+    trial.times.pop(ORIGINAL, None)
+    free_cached_memory()
+    warnings.warn(f"granii: layer '{state.name}': its own forward ran out of memory in a turn of "
+                  f"the measured tie-break ({type(error).__name__}); its plans go on without it",
+                  RuntimeWarning)
+    return _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs)
 
 
 def _own_gradients(call, args, kwargs):

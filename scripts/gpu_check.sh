@@ -7,6 +7,8 @@
 #
 #   bash scripts/gpu_check.sh                    # 2M-node power-law graph, under 8 minutes
 #   bash scripts/gpu_check.sh --nodes 500000     # arguments go to bench/gpu_check.py
+#   bash scripts/gpu_check.sh --steps decisions  # about 3 minutes: the GPU path checks, the
+#                                                # models (granii beside PyG) and the decisions
 #
 # The budget (GRANII_GPU_BUDGET seconds, default 390) bounds the Python steps: each step left when
 # the budget is spent is skipped and reported as skipped; a hard stop at budget + 60 s leaves the

@@ -553,12 +553,10 @@ def decision_timings(run, src, dst, n, label, specs):
                 granii(ours, x, edge_index)
                 for _ in range(40):
                     call(lambda: ours(x, edge_index))
-                    st = layer_states(ours)[0]
-                    if not any(type(d).__name__ == "Trial" for per in st.decisions.values()
-                               for d in per.values()):
+                    if settled(ours):
                         break
                 ms = run.time(lambda: call(lambda: ours(x, edge_index)), reps=5)
-                chosen = next(iter(st.chosen.values()), {})
+                chosen = next(iter(layer_states(ours)[0].chosen.values()), {})
                 what = chosen.get("plan", "?")
                 what = "original" if what == "original" else \
                     f"[{what}] " + "/".join(i for i in chosen.get("impls") or () if i != "inline")
@@ -628,20 +626,19 @@ def _settle(run, fn, first):
         fn()
         run.sync()
         times.append(1e3 * (time.perf_counter() - t))
-        if not graniis or _settled(fn):
+        if not graniis or settled(fn.granii_model):
             break
     ms = run.time(fn)
     first100 = (1e3 * first + sum(times) + (99 - len(times)) * ms) / 100
     return ms, first100
 
 
-def _settled(fn):
+def settled(model):
+    """Whether every optimized layer of ``model`` has ended its measured tie-breaks."""
     from granii.runtime.dispatch import layer_states
     from granii.runtime.tiebreak import Trial
-    model = getattr(fn, "granii_model", None)
-    return model is not None and all(
-        not any(isinstance(d, Trial) for per in st.decisions.values() for d in per.values())
-        for st in layer_states(model))
+    return all(not any(isinstance(d, Trial) for per in st.decisions.values()
+                       for d in per.values()) for st in layer_states(model))
 
 
 def _model_cell(run, model, fn, x, graph_arg, y, training):

@@ -19,6 +19,7 @@ from .device import is_gpu
 
 _CPU = torch.device("cpu")
 
+
 def _physical_memory():
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -295,8 +296,7 @@ def edge_list_csc(src, dst, num_dst):
     (rows of the edge list, ascending) and, as their edge ids, the sources."""
     op = getattr(getattr(torch.ops, "granii", None), "csr_transpose", None) \
         if _native_loaded() else None
-    if op is None or src.dtype not in (torch.int32, torch.int64) or dst.dtype != src.dtype \
-            or src.device.type != "cpu":
+    if op is None or src.dtype not in (torch.int32, torch.int64) or dst.dtype != src.dtype:
         return None
     rows = torch.arange(len(src) + 1, dtype=src.dtype)
     indptr, eids, indices, _ = op(rows, dst.contiguous(), src.contiguous(), num_dst)

@@ -520,8 +520,8 @@ def weighted_degree_power(gi, w, side, power, eps):
                        "This leads to square root of zero or negative values.")
     src, dst = gi.edges()
     ids, n = (dst, gi.num_dst) if side == "in" else (src, gi.num_src)
-    d = torch.zeros(n, dtype=w.dtype, device=w.device).index_add_(0, ids, w.detach() if not w.requires_grad
-                                                 else w) + eps
+    d = torch.zeros(n, dtype=w.dtype, device=w.device).index_add_(
+        0, ids, w.detach() if not w.requires_grad else w) + eps
     out = torch.pow(d, power)
     return torch.where(d == 0, torch.zeros_like(out), out)
 

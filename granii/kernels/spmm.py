@@ -50,7 +50,7 @@ def _from_native(gi, native):
     out = {}
     for which, size in (("a", (gi.num_dst, gi.num_src)), ("at", (gi.num_src, gi.num_dst))):
         idx = native.csr_index(gi, which)
-        perm = torch.arange(gi.num_edges, device=idx.indptr.device) if idx.eids is None else idx.eids.long()
+        perm = torch.arange(gi.num_edges) if idx.eids is None else idx.eids.long()
         out[which] = (idx.indptr.int(), idx.indices.int(), perm, size)
     return out
 

@@ -34,7 +34,6 @@ ROWS = [(n, k) for n in (1 << 12, 1 << 16, 1 << 20) for k in (16, 128)]
 REPEAT = 5
 GRAPH_PRIMS = ("spmm", "spmm_weighted", "spmm_mean", "spmm_norm", "sddmm_add", "edge_softmax",
                "gat_aggregate")
-DENSE_PRIMS = ("gemm", "row_scale")
 
 
 def make_graph(n, degree, skewed, device, seed=0):

@@ -131,17 +131,13 @@ def prepare(layer, *args, **kwargs):
     return Prepared(layer, pir, compiled, bind_call(layer, pir, compiled, values), values)
 
 
-def step_impls(step, edge_grad=False, graph=None):
+def step_impls(step, edge_grad, graph):
     """The kernel implementations of a plan step that run on the index graph ``graph`` (not
-    DGL's; by default one on the CPU); ``edge_grad``: the step's per-edge values (its first
+    DGL's; the GPU's on a graph on the GPU); ``edge_grad``: the step's per-edge values (its first
     operand) need a gradient."""
     from ..plan import step_impls as all_impls
     needed = (0,) if edge_grad else ()
-    graph = graph if graph is not None else _CPU_GRAPH
     return tuple(i for i in all_impls(step) if graph.runs(step.prim, i, needed))
-
-
-_CPU_GRAPH = IndexGraph(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 0)
 
 
 def _edge_grads(plan, call):

@@ -87,7 +87,7 @@ class IndexGraph:
         the operand positions ``needed``: DGL's kernels need a DGL graph, and so does the
         gradient to the edge values (position 0) of ``spmm_weighted``/``torch_csr`` (DGL's
         u_dot_v); a graph on the GPU runs the GPU's kernels (``granii.device``)."""
-        if impl == "dgl" or not runs_on(impl, is_gpu(self.src.device)):
+        if impl == "dgl" or not runs_on(impl, is_gpu(self.device)):
             return False
         return not (0 in needed and (prim, impl) in (("spmm_weighted", "torch_csr"),
                                                      ("gat_aggregate", "torch")))

@@ -471,6 +471,43 @@ def test_index_structures_match_dgl(name):
 
 
 @needs_native
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 65])
+def test_spmm_csr_row_loops_of_every_width(width):
+    """``spmm_csr`` has a row loop specialised per feature width (float32, one head, one block):
+    every width, with and without values, column and row scales, bias, residual and ReLU, on
+    whole rows and on rows split between parts, gives the dense product's result; with heads and
+    no values the heads are read as one row of ``H K`` features."""
+    gen = torch.Generator().manual_seed(width)
+    g = _huge_row()
+    idx = native.csr_index(graph_info(g))
+    rows, n, e = g.num_dst_nodes(), g.num_src_nodes(), g.num_edges()
+    ip, ix = idx.indptr.long(), idx.indices.long()
+    r_of = torch.repeat_interleave(torch.arange(rows), ip.diff())
+    for heads in (1, 2):
+        x = torch.randn(n, heads, width, generator=gen)
+        val = torch.rand(e, heads, generator=gen)
+        cs, rs = torch.rand(n, generator=gen), torch.rand(rows, generator=gen)
+        bias = torch.randn(heads * width, generator=gen)
+        res = torch.randn(rows, heads * width, generator=gen)
+        for use_val in ((False, True) if heads == 1 else (False,)):
+            for parts in (1, 3):
+                for act in (0, 1):
+                    v = val[:, :1].expand(e, heads) if use_val else torch.ones(e, heads)
+                    msg = v[:, :, None] * cs[ix][:, None, None] * x[ix]
+                    want = torch.zeros(rows, heads, width).index_add_(0, r_of, msg)
+                    want = want.reshape(rows, -1) * rs[:, None] + bias + res
+                    want = want.clamp(min=0) if act else want
+                    got = torch.ops.granii.spmm_csr(
+                        idx.indptr, idx.indices, x, val[:, :1].contiguous() if use_val else None,
+                        None, rs, cs, bias, act, parts, res)
+                    torch.testing.assert_close(got.reshape(rows, -1), want, atol=1e-4, rtol=1e-4)
+                    plain = torch.zeros(rows, heads, width).index_add_(0, r_of, x[ix])
+                    torch.testing.assert_close(
+                        torch.ops.granii.spmm_csr(idx.indptr, idx.indices, x, parts=parts), plain,
+                        atol=1e-4, rtol=1e-4)
+
+
+@needs_native
 def test_operator_checks():
     g = _random()
     idx = native.csr_index(graph_info(g))

@@ -110,7 +110,7 @@ constexpr int lanes() {
 // s_j = val[j] * cs[col_j] (either factor may be absent); then, if fin, the epilogue
 // act(acc * rsv + bias + res).
 template <int TW, bool HV, bool HC, typename scalar_t, typename index_t>
-inline void tile(const SpmmArgs<scalar_t, index_t>& a, const scalar_t* __restrict x,
+__attribute__((always_inline)) inline void tile(const SpmmArgs<scalar_t, index_t>& a, const scalar_t* __restrict x,
                  const scalar_t* __restrict val, int64_t e0, int64_t e1,
                  scalar_t* __restrict out, bool fin, scalar_t rsv,
                  const scalar_t* __restrict bias, const scalar_t* __restrict res) {
@@ -223,7 +223,10 @@ inline int64_t feature_block(int64_t requested, int64_t n_cols, int64_t K) {
 #endif
 }
 
-template <bool HV, bool HC, typename scalar_t, typename index_t>
+// TW > 0: every row is one tile of exactly TW = K features of one head (``spmm_dispatch``), so a
+// whole row is a single inlined loop over its nonzeros; rows of few nonzeros (batches of small
+// graphs, sampled blocks) otherwise pay more for the per-row tile selection than for the row.
+template <int TW, bool HV, bool HC, typename scalar_t, typename index_t>
 void spmm_run(const SpmmArgs<scalar_t, index_t>& a, int64_t parts, int64_t block) {
   const index_t* indptr = a.indptr;
   const int64_t F = a.F, K = a.K;
@@ -250,8 +253,14 @@ void spmm_run(const SpmmArgs<scalar_t, index_t>& a, int64_t parts, int64_t block
         for (int64_t r = b.row; r < e.row; ++r) {
           const int64_t start = indptr[r], stop = indptr[r + 1];
           if (start >= b.nz) {
-            segment(start, stop, a.y + r * F, true, a.rs ? a.rs[r] : scalar_t(1),
-                    a.res ? a.res + r * a.res_stride : nullptr);
+            if constexpr (TW > 0) {
+              tile<TW, HV, HC>(a, a.x, a.val, start, stop, a.y + r * F, true,
+                               a.rs ? a.rs[r] : scalar_t(1), a.bias,
+                               a.res ? a.res + r * a.res_stride : nullptr);
+            } else {
+              segment(start, stop, a.y + r * F, true, a.rs ? a.rs[r] : scalar_t(1),
+                      a.res ? a.res + r * a.res_stride : nullptr);
+            }
           } else {  // began in an earlier part
             carry_row[p * 2 + slot] = r;
             segment(b.nz, stop, carry.data() + (p * 2 + slot) * F, false, scalar_t(1), nullptr);
@@ -285,6 +294,28 @@ void spmm_run(const SpmmArgs<scalar_t, index_t>& a, int64_t parts, int64_t block
     }
   }
   if (last >= 0) epilogue(a, last);
+}
+
+// spmm_run with the row loop specialised for the feature widths of small layers (float32, one
+// head, one feature block); other widths take the generic tiles.
+template <bool HV, bool HC, typename scalar_t, typename index_t>
+void spmm_dispatch(const SpmmArgs<scalar_t, index_t>& a, int64_t parts, int64_t block) {
+  if constexpr (std::is_same<scalar_t, float>::value) {
+    if (a.H == 1 && block == a.K) {
+      switch (a.K) {
+        case 1: return spmm_run<1, HV, HC>(a, parts, block);
+        case 2: return spmm_run<2, HV, HC>(a, parts, block);
+        case 3: return spmm_run<3, HV, HC>(a, parts, block);
+        case 4: return spmm_run<4, HV, HC>(a, parts, block);
+        case 8: return spmm_run<8, HV, HC>(a, parts, block);
+        case 16: return spmm_run<16, HV, HC>(a, parts, block);
+        case 32: return spmm_run<32, HV, HC>(a, parts, block);
+        case 64: return spmm_run<64, HV, HC>(a, parts, block);
+        default: break;
+      }
+    }
+  }
+  spmm_run<0, HV, HC>(a, parts, block);
 }
 
 at::Tensor spmm_csr(const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& x,
@@ -341,6 +372,8 @@ at::Tensor spmm_csr(const at::Tensor& indptr, const at::Tensor& indices, const a
   }
   auto y = at::empty({rows, H, K}, x.options());
   if (rows == 0 || H * K == 0) return y;
+  // without values the heads share every scale: one head of H * K features
+  const bool flat = !val && H > 1;
   AT_DISPATCH_FLOATING_TYPES(dtype, "granii::spmm_csr", [&] {
     GRANII_DISPATCH_INDEX(indices.scalar_type(), "granii::spmm_csr", [&] {
       SpmmArgs<scalar_t, index_t> a{
@@ -349,8 +382,8 @@ at::Tensor spmm_csr(const at::Tensor& indptr, const at::Tensor& indices, const a
           rows,
           nnz,
           x.data_ptr<scalar_t>(),
-          H,
-          K,
+          flat ? 1 : H,
+          flat ? H * K : K,
           H * K,
           shared ? K : H * K,
           val ? val->data_ptr<scalar_t>() : nullptr,
@@ -363,15 +396,15 @@ at::Tensor spmm_csr(const at::Tensor& indptr, const at::Tensor& indices, const a
           res ? res->data_ptr<scalar_t>() : nullptr,
           res ? res->stride(0) : 0};
       const int64_t p = num_parts(parts, rows, nnz, H * K);
-      const int64_t fb = feature_block<scalar_t>(0, ncols, K);
+      const int64_t fb = feature_block<scalar_t>(0, ncols, a.K);
       if (a.val && a.cs) {
-        spmm_run<true, true>(a, p, fb);
+        spmm_dispatch<true, true>(a, p, fb);
       } else if (a.val) {
-        spmm_run<true, false>(a, p, fb);
+        spmm_dispatch<true, false>(a, p, fb);
       } else if (a.cs) {
-        spmm_run<false, true>(a, p, fb);
+        spmm_dispatch<false, true>(a, p, fb);
       } else {
-        spmm_run<false, false>(a, p, fb);
+        spmm_dispatch<false, false>(a, p, fb);
       }
     });
   });

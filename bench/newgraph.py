@@ -1,6 +1,6 @@
 """A new graph object at every call: each supported layer, granii against DGL.
 
-    python -m bench.newgraph [--out results/newgraph] [--calls 40] [--nodes 2000] [--edges 16000]
+    python -m bench.newgraph [--out results/newgraph] [--calls 100] [--nodes 2000] [--edges 16000]
                              [--sizes 32x32,128x128] [--layers gcn,sage,gin,gat,sgc,tagcn,ginmodel]
 
 Graph classification (and any loader that builds a graph per step) calls a layer on a new DGL
@@ -223,7 +223,7 @@ def _overhead_cell(r):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "results" / "newgraph"))
-    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--nodes", type=int, default=2000)
     ap.add_argument("--edges", type=int, default=16000)
     ap.add_argument("--sizes", default="32x32,128x128")

@@ -157,17 +157,49 @@ class GraphInfo:
         return value
 
     def csc(self):
-        """``(indptr, src_indices, eids)`` of ``A`` (one row per destination) in the graph's index
-        type: DGL's in-edge index when the graph has made it (a sampled block comes with it);
-        otherwise counted from its edge list, which is all a new ``dgl.batch`` or ``dgl.graph``
-        holds, by one counting sort (``edge_list_csc``): DGL building its index costs
+        """``(indptr, src_indices, eids)`` of ``A`` (one row per destination), in the graph's index
+        type or int32: DGL's in-edge index when the graph has made it (a sampled block comes with
+        it); otherwise counted from its edge list, which is all a new ``dgl.batch``, a
+        ``dgl.graph`` or a PyG edge index holds, by the one counting sort the kernels' index is
+        built by (``counted``), or ``edge_list_csc`` without it: DGL building its index costs
         several times that. Not cached: a caller keeps what it derives."""
+        counted = self.counted()
+        if counted is not None:
+            indptr, indices, eids = counted[:3]
+            if eids is None:                 # the edges were in destination order already
+                eids = torch.arange(self.num_edges, dtype=indices.dtype)
+            return indptr, indices, eids
         edges = None if self.gpu else self.edge_list()     # the CPU's native counting sort
         if edges is not None:
             built = edge_list_csc(*edges, self.num_dst)
             if built is not None:
                 return built
         return self.g.adj_tensors("csc")
+
+    def counted(self):
+        """``granii::coo_to_csr`` of the graph's edge list, once per graph: ``(indptr, indices,
+        eids or None, out-degrees, in-degrees, degree statistics)``, int32 where the graph fits;
+        ``None`` where the graph holds an index already (a sampled block, a graph DGL indexed),
+        lives on a GPU, or the native extension is not loaded. The cost model's features
+        (``csr_in``) and the kernels' index (``kernels.native.csr_index``) both read it: one
+        count of the edges for both, where each counted them once before."""
+        if self.gpu or self.is_block or not _native_loaded() or \
+                not hasattr(torch.ops.granii, "coo_to_csr"):
+            return None
+        hit = self.cache.get("edge_list_counted")
+        if hit is not None:
+            return hit
+        edges = self.edge_list()
+        if edges is None or edges[0].dtype not in (torch.int32, torch.int64):
+            return None
+
+        def make():
+            small = max(self.num_edges, self.num_src, self.num_dst) < 2 ** 31
+            out = torch.ops.granii.coo_to_csr(*edges, self.num_src, self.num_dst, small)
+            self.set_degrees(out[3], out[4])
+            self.memo("degree_stats", lambda: out[5])
+            return out
+        return self.memo("edge_list_counted", make)
 
     def edge_list(self):
         """``(src, dst)`` in edge-id order when that is all the graph holds (a new ``dgl.batch``

@@ -171,9 +171,9 @@ def csr_index(gi, which="a"):
 
     ``A`` is DGL's in-edge index (a sampled block comes with it) in the index type, read in one
     pass (``csr_narrow``) that also counts the degrees; a graph that holds only its edge list
-    (a new batch) is counted from it (``coo_to_csr``, with the degree statistics of
-    ``featurize.class_shape``), which ``gi.out_degrees()`` and
-    ``gi.in_degrees()`` then return. ``A^T`` is transposed from it (``csr_transpose``, a
+    (a new batch, a PyG edge index) is counted from it once (``gi.counted()``: ``coo_to_csr``,
+    with the degree statistics of ``featurize.class_shape``), which the cost model's features,
+    ``gi.out_degrees()`` and ``gi.in_degrees()`` read too. ``A^T`` is transposed from it (``csr_transpose``, a
     counting sort), which also gives the position in ``A`` of each entry
     (``CsrIndex.pos``). On a block, DGL's out-degrees and out-edge index would each cost
     several times as much, and each block is used once."""
@@ -184,11 +184,9 @@ def csr_index(gi, which="a"):
                 a.indptr, a.indices, a.eids, gi.num_src)
             return CsrIndex(indptr, indices, eids, gi.num_src, gi.num_dst, pos)
         small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
-        edges = None if gi.is_block else gi.edge_list()
-        if edges is not None:
-            indptr, indices, eids, out_deg, in_deg, stats = torch.ops.granii.coo_to_csr(
-                *edges, gi.num_src, gi.num_dst, small)
-            gi.memo("degree_stats", lambda: stats)
+        counted = gi.counted()
+        if counted is not None and (counted[0].dtype == torch.int32) == small:
+            indptr, indices, eids, out_deg, in_deg, _ = counted
         else:
             indptr, indices, eids, out_deg, in_deg = torch.ops.granii.csr_narrow(
                 *(t.long().contiguous() for t in gi.csc()), gi.num_src, small)

@@ -429,6 +429,33 @@ def test_granii_passes_edge_weights_and_explains_a_refused_layer(capsys):
     assert "MultiAggregation" in capsys.readouterr().out
 
 
+def test_granii_takes_the_arguments_of_one_forward_call():
+    """``granii(model, x, edge_index, edge_weight)``: the arguments of one call, as the model
+    takes them; ``GINEConv``'s edge feature vectors run PyG's own code with the reason named,
+    with PyG's outputs and gradients; too few arguments, or the same ones twice, is refused."""
+    from granii import granii
+    from granii.api import what_ran
+    torch.manual_seed(0)
+    gcn = _layer("gcn")
+    original = copy.deepcopy(gcn)
+    x, ei = torch.randn(14, 6), _graph("directed")
+    w = torch.rand(ei.shape[1]) + 0.5
+    granii(gcn, x, ei, w, tune=False)
+    _same_grads(gcn, original, x, ei, w, calls=2)
+    assert what_ran(gcn)["GCNConv"].kind == "plan"
+    gine = pyg_nn.GINEConv(torch.nn.Linear(6, 4), edge_dim=3)
+    original = copy.deepcopy(gine)
+    ea = torch.randn(ei.shape[1], 3)
+    granii(gine, x, ei, ea)
+    _same_grads(gine, original, x, ei, ea, calls=2)
+    ran = what_ran(gine)["GINEConv"]
+    assert ran.kind == "fallback" and "edge_attr" in ran.reason
+    with pytest.raises(TypeError, match="arguments of one forward call"):
+        granii(gcn, x)
+    with pytest.raises(TypeError, match="not both"):
+        granii(gcn, x, ei, w, extra_args=(w,))
+
+
 NO_DGL = """
 import sys
 class _NoDGL:

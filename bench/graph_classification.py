@@ -459,7 +459,9 @@ def main(argv=None):
         row = json.loads(line[4:])
         rows.append(row)
         print(f"{name}: train {row['speedup_train']:.2f}x eval {row['speedup_eval']:.2f}x "
-              f"steady {row['steady_speedup']:.2f}x ceiling {row['ceiling']:.2f}x rankings {row['rankings']} loss diff {row['first_epoch_loss_rel_diff']}", flush=True)
+              f"steady {row['steady_speedup']:.2f}x ceiling {row['ceiling']:.2f}x "
+              f"rankings {row['rankings']} loss diff {row['first_epoch_loss_rel_diff']}",
+              flush=True)
     cmd = "python -m bench.graph_classification " + " ".join(argv or sys.argv[1:])
     _report(rows, cmd.strip(), Path(args.out))
 

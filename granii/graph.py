@@ -161,20 +161,15 @@ class GraphInfo:
         type or int32: DGL's in-edge index when the graph has made it (a sampled block comes with
         it); otherwise counted from its edge list, which is all a new ``dgl.batch``, a
         ``dgl.graph`` or a PyG edge index holds, by the one counting sort the kernels' index is
-        built by (``counted``), or ``edge_list_csc`` without it: DGL building its index costs
-        several times that. Not cached: a caller keeps what it derives."""
+        built by (``counted``): DGL building its index costs several times that. Not cached: a
+        caller keeps what it derives."""
         counted = self.counted()
-        if counted is not None:
-            indptr, indices, eids = counted[:3]
-            if eids is None:                 # the edges were in destination order already
-                eids = torch.arange(self.num_edges, dtype=indices.dtype)
-            return indptr, indices, eids
-        edges = None if self.gpu else self.edge_list()     # the CPU's native counting sort
-        if edges is not None:
-            built = edge_list_csc(*edges, self.num_dst)
-            if built is not None:
-                return built
-        return self.g.adj_tensors("csc")
+        if counted is None:
+            return self.g.adj_tensors("csc")
+        indptr, indices, eids = counted[:3]
+        if eids is None:                     # the edges were in destination order already
+            eids = torch.arange(self.num_edges, dtype=indices.dtype)
+        return indptr, indices, eids
 
     def counted(self):
         """``granii::coo_to_csr`` of the graph's edge list, once per graph: ``(indptr, indices,
@@ -182,18 +177,14 @@ class GraphInfo:
         ``None`` where the graph holds an index already (a sampled block, a graph DGL indexed),
         lives on a GPU, or the native extension is not loaded. The cost model's features
         (``csr_in``) and the kernels' index (``kernels.native.csr_index``) both read it: one
-        count of the edges for both, where each counted them once before."""
-        if self.gpu or self.is_block or not _native_loaded() or \
-                not hasattr(torch.ops.granii, "coo_to_csr"):
-            return None
-        hit = self.cache.get("edge_list_counted")
-        if hit is not None:
-            return hit
-        edges = self.edge_list()
-        if edges is None or edges[0].dtype not in (torch.int32, torch.int64):
+        count of the edges for both."""
+        if self.gpu or self.is_block or not _native_loaded():
             return None
 
         def make():
+            edges = self.edge_list()
+            if edges is None or edges[0].dtype not in (torch.int32, torch.int64):
+                return None
             small = max(self.num_edges, self.num_src, self.num_dst) < 2 ** 31
             out = torch.ops.granii.coo_to_csr(*edges, self.num_src, self.num_dst, small)
             self.set_degrees(out[3], out[4])
@@ -316,23 +307,6 @@ def _dgl_capi():
         except (ImportError, AttributeError):
             _CAPI.append(None)
     return _CAPI[0]
-
-
-def edge_list_csc(src, dst, num_dst):
-    """``(indptr, src_indices, eids)`` of ``A`` from the edge list ``(src, dst)`` in edge-id
-    order, in its integer type; ``None`` without the native extension (or for other index types).
-
-    The edge list is the CSR of an ``E x num_dst`` matrix with one entry per row (row ``e`` holds
-    column ``dst[e]``, and carries ``src[e]`` as its edge id): its transpose, one counting sort
-    over the edges (``granii::csr_transpose``), has a row per destination listing the edge ids
-    (rows of the edge list, ascending) and, as their edge ids, the sources."""
-    op = getattr(getattr(torch.ops, "granii", None), "csr_transpose", None) \
-        if _native_loaded() else None
-    if op is None or src.dtype not in (torch.int32, torch.int64) or dst.dtype != src.dtype:
-        return None
-    rows = torch.arange(len(src) + 1, dtype=src.dtype)
-    indptr, eids, indices, _ = op(rows, dst.contiguous(), src.contiguous(), num_dst)
-    return indptr, indices, eids
 
 
 def _native_loaded():

@@ -33,15 +33,21 @@ class TwoLayers(nn.Module):
         return self.b(g, self.drop(self.a(g, x)))
 
 
-def test_trial_calls_give_dgls_results_and_settle():
-    """While the candidates take turns, every training call equals DGL's under the same seed
-    (dropout draws included); after a bounded number of calls one candidate is kept."""
+def _two_layers_optimized():
+    """``(graph, TwoLayers, its copy after granii(...), features)``, seeded."""
     g = _graph()
     torch.manual_seed(0)
     ref = TwoLayers()
     model = copy.deepcopy(ref)
     x = torch.randn(g.num_nodes(), 12)
     granii(model, g, x, cost_model=AnalyticalCost())
+    return g, ref, model, x
+
+
+def test_trial_calls_give_dgls_results_and_settle():
+    """While the candidates take turns, every training call equals DGL's under the same seed
+    (dropout draws included); after a bounded number of calls one candidate is kept."""
+    g, ref, model, x = _two_layers_optimized()
     # the plans, one implementation variant, one plan of another library's graph kernels and
     # the original forward: one untimed and TRIAL_ROUNDS timed calls each (TRIAL_MORE_ROUNDS
     # for those that measure close), the last backward recorded on the call after
@@ -1422,12 +1428,7 @@ def test_an_original_forward_out_of_memory_in_its_turn_leaves_the_trial(monkeypa
     graph, where granii's plans fit) is dropped from the trial with a warning; that call runs a
     plan instead, with the random numbers given back, and every call gives DGL's results."""
     from granii.runtime import dispatch
-    g = _graph()
-    torch.manual_seed(0)
-    ref = TwoLayers()
-    model = copy.deepcopy(ref)
-    x = torch.randn(g.num_nodes(), 12)
-    granii(model, g, x, cost_model=AnalyticalCost())
+    g, ref, model, x = _two_layers_optimized()
     real = dispatch.original_forward
     ran_out = []
 

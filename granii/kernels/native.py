@@ -173,8 +173,8 @@ def csr_index(gi, which="a"):
     pass (``csr_narrow``) that also counts the degrees; a graph that holds only its edge list
     (a new batch, a PyG edge index) is counted from it once (``gi.counted()``: ``coo_to_csr``,
     with the degree statistics of ``featurize.class_shape``), which the cost model's features,
-    ``gi.out_degrees()`` and ``gi.in_degrees()`` read too. ``A^T`` is transposed from it (``csr_transpose``, a
-    counting sort), which also gives the position in ``A`` of each entry
+    ``gi.out_degrees()`` and ``gi.in_degrees()`` read too. ``A^T`` is transposed from it
+    (``csr_transpose``, a counting sort), which also gives the position in ``A`` of each entry
     (``CsrIndex.pos``). On a block, DGL's out-degrees and out-edge index would each cost
     several times as much, and each block is used once."""
     def make():
@@ -183,11 +183,11 @@ def csr_index(gi, which="a"):
             indptr, indices, eids, pos = torch.ops.granii.csr_transpose(
                 a.indptr, a.indices, a.eids, gi.num_src)
             return CsrIndex(indptr, indices, eids, gi.num_src, gi.num_dst, pos)
-        small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
         counted = gi.counted()
-        if counted is not None and (counted[0].dtype == torch.int32) == small:
+        if counted is not None:
             indptr, indices, eids, out_deg, in_deg, _ = counted
         else:
+            small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
             indptr, indices, eids, out_deg, in_deg = torch.ops.granii.csr_narrow(
                 *(t.long().contiguous() for t in gi.csc()), gi.num_src, small)
         gi.set_degrees(out_deg, in_deg)

@@ -110,10 +110,10 @@ constexpr int lanes() {
 // s_j = val[j] * cs[col_j] (either factor may be absent); then, if fin, the epilogue
 // act(acc * rsv + bias + res).
 template <int TW, bool HV, bool HC, typename scalar_t, typename index_t>
-__attribute__((always_inline)) inline void tile(const SpmmArgs<scalar_t, index_t>& a, const scalar_t* __restrict x,
-                 const scalar_t* __restrict val, int64_t e0, int64_t e1,
-                 scalar_t* __restrict out, bool fin, scalar_t rsv,
-                 const scalar_t* __restrict bias, const scalar_t* __restrict res) {
+__attribute__((always_inline)) inline void tile(
+    const SpmmArgs<scalar_t, index_t>& a, const scalar_t* __restrict x,
+    const scalar_t* __restrict val, int64_t e0, int64_t e1, scalar_t* __restrict out, bool fin,
+    scalar_t rsv, const scalar_t* __restrict bias, const scalar_t* __restrict res) {
   constexpr int L = lanes<scalar_t, TW>();
   constexpr int NV = TW / L;
   static_assert(NV * L == TW, "tile width must be a multiple of the vector lanes");

@@ -25,7 +25,7 @@ from .runtime.state import Options, Ran, _any_requires_grad, is_pyg_layer
 from .runtime.variants import leaf_vals_order
 from .explain import explain
 from . import pyg  # noqa: F401  (binds PyTorch Geometric layers' calls for the dispatcher)
-from .kernels import pool
+from .kernels import dropout, pool
 from .plan import plan_code
 from .select import EXPECTED_CALLS
 
@@ -260,6 +260,7 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
                "inspect_now=True to find the layers by running the model)")
         raise TypeError(f"granii: {type(model).__name__} holds no GNN layer: {how}")
     pool.install()
+    dropout.install(model)
     wrapped = []
     for name, layer in layers:
         d = dispatcher_of(layer)
@@ -464,6 +465,7 @@ def restore(model):
     for _, m in model.named_modules():
         if dispatcher_of(m) is not None:
             del m.__dict__["forward"]
+    dropout.uninstall(model)
     return model
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .. import ir
+from ..kernels.dropout import is_dropout
 from . import udf
 from .ops import (_SAME_VALUE_METHODS, _U, _frame_tensor, _known_pure, apply, edge_node, fail,
                   frame_get, linear, matmul, param_leaf, row_broadcast, scale)
@@ -676,7 +677,7 @@ def call_function(it, func, args, kwargs, node):
         return linear(it, func, args[0], node)
     if isinstance(func, nn.Identity) or _is_identity_dropout(it, func):
         return args[0]
-    if func is torch.nn.functional.dropout and isinstance(args[0], Tensor):
+    if is_dropout(func) and isinstance(args[0], Tensor):
         return functional_dropout(it, args, kwargs, node)
     if isinstance(func, nn.Module) and len(args) == 1 and isinstance(args[0], Tensor) \
             and not kwargs:

@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from .. import ir
+from ..kernels.dropout import is_dropout
 from ..runtime.state import is_pyg_layer
 from . import kernels  # noqa: F401  (registers spmm_amax)
 from ..frontend import LayerIR, _check_complete
@@ -303,7 +304,7 @@ def _pyg_rule(it, func, args, kwargs):
         return "linear"
     if isinstance(func, nn.Module) and args and isinstance(args[0], (EdgeVal, Attention)):
         return "linear_of_edges"
-    if func is torch.nn.functional.dropout and args and isinstance(args[0], Attention):
+    if is_dropout(func) and args and isinstance(args[0], Attention):
         return "dropout"
     if args and isinstance(args[0], Attention) and udf.pure_ref(func, args, kwargs):
         return "attention_function"            # F.leaky_relu(alpha, self.negative_slope)

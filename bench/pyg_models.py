@@ -18,6 +18,10 @@ is the process's own):
              ``edge_index``; the graph has no parallel edges, so GAT's attention is the same)
     compile  ``torch.compile(model)`` on ``edge_index``; its compilation counts in the first call
     granii   ``granii(model, x, edge_index)`` (its time counts in the first call), then the model
+    granii_torch_dropout
+             the same with ``GRANII_FAST_DROPOUT=0``: the model's dropout draws with torch's own
+             kernel (an ablation, training only: granii's faster draw of the same masks is not
+             plan choice; inference has no dropout)
 
 Modes: ``inference`` (``eval()``, ``no_grad``, new random features each call) and
 ``training`` (``train()``, forward, cross entropy on random labels, backward, Adam step).
@@ -51,7 +55,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 MODELS = ("gcn", "sage", "gin", "sgc", "appnp", "tagcn", "gat", "tutorial")
-VARIANTS = ("eager", "adj_t", "compile", "granii")
+VARIANTS = ("eager", "adj_t", "compile", "granii", "granii_torch_dropout")
+ABLATIONS = {"granii_torch_dropout": {"GRANII_FAST_DROPOUT": "0"}}   # environment of each
 NO_ADJ_T = {"tutorial"}     # the tutorial reads edge_index (PyG's GATConv sets the diagonal of
                             # a sparse adjacency in place of remove/add_self_loops)
 HIDDEN, CLASSES, FEATURES = 64, 8, 64
@@ -194,7 +199,7 @@ def run_one(model_name, variant, training, graph, calls):
 
     times = []
     t0 = time.perf_counter()
-    if variant == "granii":
+    if variant.startswith("granii"):
         if training:
             torch.manual_seed(7)
             granii(model, xs[0], ei)
@@ -214,7 +219,7 @@ def run_one(model_name, variant, training, graph, calls):
     want = step(ref, xs[0], ref_opt)
     diff = float((outs[0] - want).abs().max() / max(float(want.abs().max()), 1e-6))
     ran = ""
-    if variant == "granii":
+    if variant.startswith("granii"):
         kinds = sorted({f"{r.kind} {r.label}" for r in what_ran(model).values()})
         ran = "; ".join(kinds)
     return {"model": model_name, "variant": variant,
@@ -242,11 +247,12 @@ def main(argv=None):
         return None
     rows = []
     configs = [(m, v, mode) for m in args.models.split(",") for mode in ("inference", "training")
-               for v in args.variants.split(",") if not (v == "adj_t" and m in NO_ADJ_T)]
+               for v in args.variants.split(",") if not (v == "adj_t" and m in NO_ADJ_T)
+               and not (v in ABLATIONS and mode == "inference")]
     for i, (m, v, mode) in enumerate(configs):
         cmd = [sys.executable, "-m", "bench.pyg_models", "--graph", args.graph, "--calls",
                str(args.calls), "--child", f"{m}:{v}:{mode}"]
-        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        env = dict(os.environ, PYTHONWARNINGS="ignore", **ABLATIONS.get(v, {}))
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
                               timeout=1800)
         if proc.returncode != 0:
@@ -320,7 +326,7 @@ def _report(rows, cmd, out):
         best = []
         for m in {r["model"] for r in ok if r["mode"] == mode}:
             others = [r["total_s"] for r in ok if r["model"] == m and r["mode"] == mode
-                      and r["variant"] != "granii"]
+                      and not r["variant"].startswith("granii")]
             mine = [r["total_s"] for r in ok if r["model"] == m and r["mode"] == mode
                     and r["variant"] == "granii"]
             if others and mine:

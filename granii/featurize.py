@@ -129,7 +129,8 @@ def _out_histogram(gi):
 
 
 def _compute(gi):
-    indptr, indices, _ = gi.csr_in()
+    counted = gi.counted()            # int32 where it fits: read as it is, never widened
+    indptr, indices = counted[:2] if counted is not None else gi.csr_in()[:2]
     indptr, indices = indptr.cpu().numpy(), indices.cpu().numpy()
     n_src, n_dst, e = float(gi.num_src), float(gi.num_dst), float(gi.num_edges)
     density = _div(e, n_src * n_dst)

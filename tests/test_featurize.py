@@ -181,3 +181,17 @@ def test_featurize_vector():
     assert row["k_in*k_out"] == 32 * 256 and row["dst*k_in*k_out"] == n * 32 * 256
     assert names[: len(fz.FEATURE_NAMES)] == fz.FEATURE_NAMES
     assert len(fz.featurize(gi, {"k": 16})) == len(fz.FEATURE_NAMES) + 6
+
+
+def test_features_same_from_the_counted_index_and_from_dgls():
+    # a new graph holding only its edges is counted once into an int32 index, which the
+    # features read as it is; a graph DGL has indexed is read through DGL's int64 index
+    rng = torch.Generator().manual_seed(3)
+    u, v = torch.randint(0, 3000, (2, 40_000), generator=rng)
+    fresh = dgl.graph((u, v), num_nodes=3100)
+    indexed = dgl.graph((u, v), num_nodes=3100)
+    indexed.create_formats_()
+    a, b = GraphInfo(fresh), GraphInfo(indexed)
+    assert a.counted() is not None and a.counted()[1].dtype == torch.int32
+    assert b.counted() is None
+    assert fz.graph_features(a) == fz.graph_features(b)

@@ -286,6 +286,7 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
         except Exception as e:
             for layer in wrapped:
                 del layer.__dict__["forward"]
+            dropout.uninstall(model)
             # the model's own exception, unchanged (its class may not take one message)
             if hasattr(e, "add_note"):
                 e.add_note("granii: running the model on the given input failed, so it was "

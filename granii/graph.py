@@ -176,7 +176,7 @@ class GraphInfo:
         eids or None, out-degrees, in-degrees, degree statistics)``, int32 where the graph fits;
         ``None`` where the graph holds an index already (a sampled block, a graph DGL indexed),
         lives on a GPU, or the native extension is not loaded. The cost model's features
-        (``csr_in``) and the kernels' index (``kernels.native.csr_index``) both read it: one
+        (``featurize``) and the kernels' index (``kernels.native.csr_index``) both read it: one
         count of the edges for both."""
         if self.gpu or self.is_block or not _native_loaded():
             return None

@@ -685,3 +685,44 @@ def test_small_products_stay_on_one_thread_when_workers_sleep():
     assert results[None][0] == 2 ** 15
     for a, b in zip(results["PASSIVE"][1:], results[None][1:]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("order", ["destination", "shuffled"])
+def test_coo_to_csr_counts_the_edge_list_and_rejects_edges_outside_the_graph(order):
+    """The CSR of ``A`` (a row per destination, ascending edge ids in a row), edge ids only where
+    the list was not in destination order, both degree vectors and the degree statistics; an
+    edge outside the graph raises with its position, whichever edge it is."""
+    gen = torch.Generator().manual_seed(3)
+    n_src, n_dst, e = 40, 30, 300
+    src = torch.randint(0, n_src, (e,), generator=gen)
+    dst = torch.randint(0, n_dst, (e,), generator=gen)
+    if order == "destination":
+        dst, perm = dst.sort(stable=True)
+        src = src[perm]
+    indptr, indices, eids, out_deg, in_deg, stats = torch.ops.granii.coo_to_csr(
+        src, dst, n_src, n_dst, True)
+    keys = dst * e + torch.arange(e)                # by destination, then edge id
+    ref_eids = keys.argsort()
+    assert indptr.dtype == torch.int32
+    assert torch.equal(indptr.long(), torch.cat([torch.zeros(1, dtype=torch.long),
+                                                 torch.bincount(dst, minlength=n_dst).cumsum(0)]))
+    assert torch.equal(indices.long(), src[ref_eids])
+    if order == "destination":
+        assert eids is None
+    else:
+        assert torch.equal(eids.long(), ref_eids)
+    assert torch.equal(out_deg, torch.bincount(src, minlength=n_src).float())
+    assert torch.equal(in_deg, torch.bincount(dst, minlength=n_dst).float())
+    d = in_deg.double()
+    assert stats.tolist() == pytest.approx([d.max().item(), out_deg.max().item(),
+                                            d.std(unbiased=False).item()])
+    for bad, where in ((-1, 0), (n_src, e // 2), (n_src + 5, e - 1)):
+        s = src.clone()
+        s[where] = bad
+        with pytest.raises(RuntimeError, match=f"edge {where} "):
+            torch.ops.granii.coo_to_csr(s, dst, n_src, n_dst, True)
+    d2 = dst.clone()
+    d2[7] = n_dst
+    with pytest.raises(RuntimeError, match="edge 7 .*outside the graph's 40 x 30 nodes"):
+        torch.ops.granii.coo_to_csr(src, d2, n_src, n_dst, False)

@@ -252,6 +252,40 @@ def test_a_graph_called_often_gets_its_own_fast_path():
     assert any(k is not fastpath._SEEN for k in table)
 
 
+def test_a_layer_called_several_times_on_a_new_graph_places_it_once_per_guard(monkeypatch):
+    """A readout after every layer calls one layer several times on each new batch: the class
+    of the graph is looked up on the first call with each call guard, the later calls with that
+    guard reuse it (``state.class_last``); each call is still DGL's result, and a new graph, or
+    features of another width, looks up its class again."""
+    from dgl.nn import SumPooling
+    torch.manual_seed(0)
+    ref, layer = SumPooling(), SumPooling()
+    granii(layer, dgl.batch([new_graph(0, n=20, e=60)] * 8), torch.randn(160, K))
+    st = layer_states(layer)[0]
+    for i in range(40):                          # the tie-breaks' turns end on these graphs
+        g = dgl.batch([new_graph(i, n=20, e=60)] * 8)
+        for width in (K, 3):
+            layer(g, torch.randn(g.num_nodes(), width))
+        records = [r for rs in st.classes.values() for r in rs]
+        if i >= 4 and len(records) == 2 and not any(
+                isinstance(r["decision"], tiebreak.Trial) for r in records):
+            break
+    g = dgl.batch([new_graph(49, n=20, e=60)] * 8)   # the kept decisions' first runs, the normal
+    for width in (K, 3):                              # way, leave their class runs behind
+        layer(g, torch.randn(g.num_nodes(), width))
+    placed = []
+    real = reuse._class_of
+    monkeypatch.setattr(reuse, "_class_of", lambda *a: placed.append(1) or real(*a))
+    for i in range(4):
+        g = dgl.batch([new_graph(50 + i, n=20, e=60)] * 8)
+        before = st.class_reused
+        for width in (K, K, K, 3, 3):
+            x = torch.randn(g.num_nodes(), width)
+            torch.testing.assert_close(layer(g, x), ref(g, x))
+        assert st.class_reused - before == 5, "every call should take the class path"
+    assert len(placed) == 4 * 2, placed
+
+
 @pytest.mark.parametrize("idtype", [torch.int32, torch.int64])
 def test_index_counted_from_the_edge_list_is_dgls(idtype):
     g = dgl.rand_graph(200, 1500, idtype=idtype)

@@ -302,7 +302,10 @@ class _SpmmFn(torch.autograd.Function):
             if need_x:
                 dx = g * c.reshape(-1, 1, 1) if c is not None else g
         elif need_x:
-            dx = _SpmmFn.apply(p, w, c, r, None, gi, 0, other, vals)
+            if torch.is_grad_enabled():      # a double backward differentiates through it
+                dx = _SpmmFn.apply(p, w, c, r, None, gi, 0, other, vals)
+            else:
+                dx = _op(csr_index(gi, other), p, None if w is None else vals.get(other), c, r)
         if need_r:
             s = _SpmmFn.apply(x, w, None, c, None, gi, 0, which, vals)  # M_w diag(c) X
             dr = (p * s).sum(dim=(1, 2))

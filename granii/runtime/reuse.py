@@ -42,48 +42,69 @@ def _size_free(guard, gi):
 
 def _class_hit(state, options, layer, guard, args, kwargs):
     """``(gi, run, plan arguments, record)`` for a call on a whole graph of a class whose
-    settled decision has a class run, else ``None``."""
+    settled decision has a class run, else ``None``. The class found for the last graph, per
+    guard, is kept (``state.class_last``): the layer's later calls on it (a readout after every
+    layer of a model) skip placing it again."""
     g = args[0]
     if getattr(g, "is_block", True) or not hasattr(g, "_graph"):
         return None
-    gi = graph_info(g)
-    entries = state.class_fast.get(_size_free(guard, gi))
-    if not entries:
-        return None
+    last = state.class_last
+    gi = None
+    if last is not None and last[0]() is g:
+        gi = last[1]()
+        if gi is None or gi.index is not g._graph:
+            gi = None
+    if gi is None:
+        gi = graph_info(g)
+        last = state.class_last = (weakref.ref(g), weakref.ref(gi), {})
     # a graph called again and again gets a fast path of its own (``_remember``): the calls it
     # takes here count as there, and the call that reaches the count takes the normal path
     table = state.fast.get(gi)
     seen = 0 if table is None else table.get(_SEEN, _FAST_AFTER)
     if seen >= _FAST_AFTER - 1:
         return None
-    shape = None
-    for record, entry, structural in entries:
-        if shape is None or shape[0] != structural:
-            shape = (structural, graph_shape(gi, structural))
-        if not all(abs(a - b) <= SHAPE_SLACK for a, b in zip(record["shape"], shape[1])):
-            continue
-        decision = record["decision"]
-        if isinstance(decision, Trial):
+    found = last[2].get(guard)
+    if found is None:
+        found = _class_of(state, guard, gi)
+        if found is None:
             return None
-        training = guard[_GRAD] and _any_requires_grad(layer)
-        feat = args[entry.feat] if type(entry.feat) is int else entry.feat(args, kwargs)
-        ident = input_identity(feat) if options.reuse_inputs else None
-        run = entry.runs.get((training, _repeats(state, feat, ident)))
-        if run is None or run.fn is not decision[1]:
-            return None
-        try:
+    record, entry = found
+    decision = record["decision"]
+    if isinstance(decision, Trial):
+        return None
+    training = guard[_GRAD] and _any_requires_grad(layer)
+    feat = args[entry.feat] if type(entry.feat) is int else entry.feat(args, kwargs)
+    ident = input_identity(feat) if options.reuse_inputs else None
+    run = entry.runs.get((training, _repeats(state, feat, ident)))
+    if run is None or run.fn is not decision[1]:
+        return None
+    try:
+        if guard not in last[2]:
             if not _graph_checks(state, entry.compiled, layer, g, gi):
                 return None
-            vals = run.bind(layer, gi, args, kwargs)
-        except Exception:        # noqa: BLE001 - a failing check: the normal path raises it
-            return None
-        if vals is None:
-            return None
-        if table is None:
-            table = state.fast[gi] = {}
-        table[_SEEN] = seen + 1
-        state.last_input = None if ident is None else (weakref.ref(feat), ident)
-        return gi, run, vals, record
+            last[2][guard] = found
+        vals = run.bind(layer, gi, args, kwargs)
+    except Exception:            # noqa: BLE001 - a failing check: the normal path raises it
+        return None
+    if vals is None:
+        return None
+    if table is None:
+        table = state.fast[gi] = {}
+    table[_SEEN] = seen + 1
+    state.last_input = None if ident is None else (weakref.ref(feat), ident)
+    return gi, run, vals, record
+
+
+def _class_of(state, guard, gi):
+    """``(record, entry)``: the first class run kept under the call guard (sizes taken out)
+    whose class's shape lies within ``SHAPE_SLACK`` of this graph's, else ``None``."""
+    entries = state.class_fast.get(_size_free(guard, gi))
+    shape = None
+    for record, entry, structural in entries or ():
+        if shape is None or shape[0] != structural:
+            shape = (structural, graph_shape(gi, structural))
+        if all(abs(a - b) <= SHAPE_SLACK for a, b in zip(record["shape"], shape[1])):
+            return record, entry
     return None
 
 

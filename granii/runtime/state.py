@@ -72,6 +72,8 @@ class LayerState:
     class_reused: int = 0                            # calls on a new whole graph that reused
                                                      # its class's decision
     class_fast: dict = field(default_factory=dict)   # size-free guard -> [(record, entry)]
+    class_last: tuple = None                         # (graph, GraphInfo) by weak reference,
+                                                     # {guard: (record, entry)} found for it
     ranked: int = 0                                  # rankings made (``_decide``)
 
 

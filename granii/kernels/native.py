@@ -297,17 +297,14 @@ class _SpmmFn(torch.autograd.Function):
         dx = dw = dr = dc = dbias = None
         need_x, need_w, need_r, need_c, need_b = ctx.needs_input_grad[:5]
         if need_c:
-            g = _SpmmFn.apply(p, w, None, r, None, gi, 0, other, vals)  # M_w^T diag(r) P
+            g = _backward_product(p, w, None, r, gi, other, vals)  # M_w^T diag(r) P
             dc = (x * g).sum(dim=(1, 2))
             if need_x:
                 dx = g * c.reshape(-1, 1, 1) if c is not None else g
         elif need_x:
-            if torch.is_grad_enabled():      # a double backward differentiates through it
-                dx = _SpmmFn.apply(p, w, c, r, None, gi, 0, other, vals)
-            else:
-                dx = _op(csr_index(gi, other), p, None if w is None else vals.get(other), c, r)
+            dx = _backward_product(p, w, c, r, gi, other, vals)
         if need_r:
-            s = _SpmmFn.apply(x, w, None, c, None, gi, 0, which, vals)  # M_w diag(c) X
+            s = _backward_product(x, w, None, c, gi, which, vals)  # M_w diag(c) X
             dr = (p * s).sum(dim=(1, 2))
         if need_w:
             pv = p if r is None else p * r.reshape(-1, 1, 1)
@@ -320,6 +317,15 @@ class _SpmmFn(torch.autograd.Function):
         if dx is not None and ctx.heads is not None:
             dx = _plain(dx, ctx.x_shape)
         return dx, dw, dr, dc, dbias, None, None, None, None, dres, None
+
+
+def _backward_product(x, w, r, c, gi, which, vals):
+    """``diag(r) M_w diag(c) X`` inside a backward: a ``_SpmmFn`` under ``create_graph`` (a
+    double backward differentiates through it), else the kernel alone, without an autograd
+    node nobody reads."""
+    if torch.is_grad_enabled():
+        return _SpmmFn.apply(x, w, r, c, None, gi, 0, which, vals)
+    return _op(csr_index(gi, which), x, None if w is None else vals.get(which), r, c)
 
 
 def _plain(t, shape):
@@ -356,10 +362,10 @@ class _SddmmFn(torch.autograd.Function):
         g = g.contiguous()
         da = db = None
         if ctx.needs_input_grad[0]:
-            da = _SpmmFn.apply(b, g, None, None, None, ctx.gi, 0, ctx.which, Values(ctx.gi, g))
+            da = _backward_product(b, g, None, None, ctx.gi, ctx.which, Values(ctx.gi, g))
         if ctx.needs_input_grad[1]:
-            db = _SpmmFn.apply(a, g, None, None, None, ctx.gi, 0, _OTHER[ctx.which],
-                               Values(ctx.gi, g))
+            db = _backward_product(a, g, None, None, ctx.gi, _OTHER[ctx.which],
+                                   Values(ctx.gi, g))
         return da, db, None, None
 
 
@@ -471,7 +477,7 @@ class _HeadsFn(torch.autograd.Function):
         p = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _SpmmFn.apply(p, w, None, None, None, ctx.gi, 0, "at", ctx.vals)
+            dx = _backward_product(p, w, None, None, ctx.gi, "at", ctx.vals)
             dx = dx.sum(dim=1, keepdim=True)
         if ctx.needs_input_grad[1]:
             idx = csr_index(ctx.gi, "a")

@@ -214,16 +214,24 @@ def _fast_table(state, g):
     """``(gi, {guard: FastEntry})`` of graph ``g`` for this layer, or ``(None, None)``. The last
     graph's are kept at hand (``state.hot``, weakly: they die with the graph) while its
     structure is the same."""
-    hot = state.hot
-    if hot is not None and hot[0]() is g:
-        gi = hot[1]()
-        if gi is not None and gi.index is getattr(g, "_graph", None):
-            return gi, hot[2]
+    gi = held_info(state.hot, g)
+    if gi is not None:
+        return gi, state.hot[2]
     gi = known_info(g)
     table = None if gi is None else state.fast.get(gi)
     if table is not None:
         state.hot = (weakref.ref(g), weakref.ref(gi), table)
     return gi, table
+
+
+def held_info(held, g):
+    """The ``GraphInfo`` in ``held`` (``(graph, GraphInfo, ...)``, the two by weak reference)
+    when it is ``g``'s and ``g``'s structure was not edited since, else ``None``."""
+    if held is not None and held[0]() is g:
+        gi = held[1]()
+        if gi is not None and gi.index is getattr(g, "_graph", None):
+            return gi
+    return None
 
 
 def _remember(state, layer, guard, call, decision, args, kwargs):

@@ -10,7 +10,8 @@ from .. import ir
 from ..featurize import class_shape
 from ..graph import graph_info
 from .bind import _CheckedGraph, _repeats, graph_index, input_identity
-from .fastpath import FastEntry, _FAST_AFTER, _GRAD, _SEEN, _arg_reader, _fast_run_of, _places
+from .fastpath import (FastEntry, _FAST_AFTER, _GRAD, _SEEN, _arg_reader, _fast_run_of,
+                       _places, held_info)
 from .state import _any_requires_grad
 from .tiebreak import Trial, _graph_work
 from .variants import _graph_condition, _guard_on_graph, check_code
@@ -49,11 +50,7 @@ def _class_hit(state, options, layer, guard, args, kwargs):
     if getattr(g, "is_block", True) or not hasattr(g, "_graph"):
         return None
     last = state.class_last
-    gi = None
-    if last is not None and last[0]() is g:
-        gi = last[1]()
-        if gi is None or gi.index is not g._graph:
-            gi = None
+    gi = held_info(last, g)
     if gi is None:
         gi = graph_info(g)
         last = state.class_last = (weakref.ref(g), weakref.ref(gi), {})

@@ -25,8 +25,8 @@ FLOAT = 4
 # Implementations priced as another one. Their speed against it depends on the values of an
 # operand, which no model of shapes sees: ``gemm/native`` reads only the nonzeros of a mostly-zero
 # X and is torch's GEMM otherwise (``kernels/sparse_rows.py``), so it costs what ``gemm/torch``
-# costs (``select.price`` scales that by the density sampled from the features) and wins the
-# tie. The profiler does not time them.
+# costs (``select.price`` scales that by the density sampled from the features and adds the
+# sample each call takes, so it loses on dense features). The profiler does not time them.
 PRICED_AS = {("gemm", "native"): ("gemm", "torch")}
 
 

@@ -183,7 +183,8 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
             prim, need = _priced_as(step, impl, needed)
             t = scale * step_seconds(model, prim, impl, gi, dims, _heads(plan), need) + extra
             if (step.prim, impl) == ("gemm", "native"):       # reads X's nonzeros only
-                t *= sparse_rows.time_ratio(_density(plan, symbols, step.args[0]))
+                t = (t * sparse_rows.time_ratio(_density(plan, symbols, step.args[0]))
+                     + sparse_rows.SAMPLE_SECONDS)
             amortised = step.when == GRAPH or (step.when == INPUT and cacheable)
             options.append((t / expected_calls if amortised else t, impl))
         if not options:          # no kernel runs it on this graph: never preferred

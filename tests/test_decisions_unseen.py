@@ -133,6 +133,22 @@ def test_copies_of_one_steady_work_count_as_one():
     assert rec["granii, model only"] == pytest.approx(1.3 / 1.2)
 
 
+def test_copies_of_one_steady_work_pool_their_rounds():
+    """With rounds recorded, copies of one steady work get the median of all their rounds: one
+    copy the machine slowed in every round moves it by a round, not by a third of its delay."""
+    rows = [_row("g1", {"a": 1.0, "a2": 1.1, "a3": 4.0, "b": 1.3, du.DGL: 3.0}, "a3", "b")]
+    details = _details(rows)
+    rounds = {"a": (1.0, 0.9, 1.2), "a2": (1.1, 1.05, 1.3), "a3": (4.0, 3.9, 4.2),
+              "b": (1.3, 1.2, 1.4), du.DGL: (3.0, 3.1, 2.9)}
+    for d in details:
+        d["steady"] = {"a": "w", "a2": "w", "a3": "w"}.get(d["candidate"], d["candidate"])
+        d["samples_ms"] = ";".join(str(v) for v in rounds[d["candidate"]])
+    rec = du.score(rows, details)[0]
+    assert rec["fastest"] in ("a", "a2", "a3")
+    assert rec["granii + tie-break"] == pytest.approx(1.0)          # the copies are one
+    assert rec["granii, model only"] == pytest.approx(1.3 / 1.2)    # b against their 1.2
+
+
 def test_steady_work_of_fixed_features():
     """On fixed features GraphConv's aggregation is kept between calls when it is done first:
     then every such plan runs one GEMM per call, whatever kernel aggregated."""
@@ -152,6 +168,12 @@ def test_steady_work_of_fixed_features():
     first = [w for w, comps in works.items() if all(c.endswith("gemm") for c in comps)]
     assert first and "'gemm'" in first[0] and "spmm" not in first[0]
     assert len(works) >= 2                      # multiplying first aggregates on every call
+    # the native GEMM is torch's on these dense features: the same work under either name
+    for plan in call.compiled.plans:
+        torch_impls = tuple("torch" if s.sig is not None else "inline" for s in plan.steps)
+        native = tuple("native" if s.prim == "gemm" else i for s, i in zip(plan.steps,
+                                                                            torch_impls))
+        assert du.steady_work(plan, native) == du.steady_work(plan, torch_impls)
 
 
 def test_emulated_tie_break_judges_its_own_candidates():

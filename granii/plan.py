@@ -428,7 +428,10 @@ def compile_plan(plan, impls):
             ns[f"{step.prim}_{impl}"] = kernels.get(step.prim, impl)
     ns.update({f"f_{var}": ref[1] for var, ref in plan.applies.items() if ref[0] == "function"})
     exec(compile(src, f"<granii plan {plan.index}>", "exec"), ns)
-    return ns[f"plan_{plan.index}"], src
+    fn = ns[f"plan_{plan.index}"]
+    # whether it may draw random numbers: only the applied modules and functions (dropout) do
+    fn.draws = any(step.prim == "apply" for step in plan.steps)
+    return fn, src
 
 
 def default_impls(plan):

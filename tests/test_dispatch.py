@@ -887,6 +887,23 @@ def test_a_plan_replaces_the_predicted_one_only_when_clearly_faster():
     assert trial(1.0, 1.1) == "[p]"
 
 
+def test_a_burst_of_slow_calls_does_not_overrule_the_predicted_plan():
+    """The measurement overrules the cost model only when each timed call of the faster plan
+    beat each of the predicted plan's: two of three predicted calls slowed 7x by other work
+    (a median of 21 against 6) keep the prediction; a plan faster in every call replaces it."""
+    from granii.runtime.tiebreak import Trial
+
+    def trial(predicted, other):
+        t = Trial([("[p]", None, None), ("[o]", None, None)])
+        for p, o in zip(predicted, other):
+            t.record("[p]", p)
+            t.record("[o]", o)
+        assert t.settled()
+        return t.winner()[0]
+    assert trial([9.0, 3.0, 21.0, 22.0], [9.0, 6.0, 6.3, 6.2]) == "[p]"
+    assert trial([9.0, 7.0, 21.0, 22.0], [9.0, 6.0, 6.3, 6.2]) == "[o]"
+
+
 def test_close_candidates_take_more_rounds_on_whole_graphs():
     """After ``TRIAL_ROUNDS`` timed calls each, a fastest candidate that is not the cost model's
     first choice but within ``TRIAL_CLOSE`` of it takes ``TRIAL_MORE_ROUNDS`` with it, and the

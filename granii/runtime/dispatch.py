@@ -227,13 +227,14 @@ def _class_run(state, options, layer, hit, guard, args, kwargs):
     state.class_reused += 1
     if run.fn is None:
         return _fast_run(state, options, layer, (gi, run, vals), args, kwargs)
-    rng = rng_state(gi.gpu)
+    rng = rng_state(gi.gpu) if getattr(run.fn, "draws", True) else None
     try:
         return _fast_run(state, options, layer, (gi, run, vals), args, kwargs)
     except _NOT_THE_PLANS:
         raise
     except Exception:            # noqa: BLE001 - the normal path runs it and decides
-        set_rng_state(rng)
+        if rng is not None:
+            set_rng_state(rng)
         state.calls -= 1
         state.class_reused -= 1
         return _dispatch(state, options, layer, args, kwargs, guard)

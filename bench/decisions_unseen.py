@@ -790,10 +790,12 @@ EMULATED = (("1.3/2", "median", 3), ("1.3/2", "min", 3), ("1.5/3", "median", 3),
 def emulate(rows, details, sets=EMULATED, margin=0.05):
     """``{(set, statistic, calls): [regret per configuration]}``: the tie-break replayed on the
     study's own rounds: the candidates ``select.trial_candidates`` gives with that (margin, most
-    plans) and DGL's layer, each judged by the statistic of its first ``calls`` rounds, a plan
-    kept over DGL's layer only when ``margin`` faster (as ``Trial.winner``); regret against the
-    fastest candidate (copies of one steady work merged, ``score``). The rounds it judges by are
-    among those the steady times are the median of, so it flatters every setting alike."""
+    plans) and DGL's layer, each judged by the statistic of its first ``calls`` rounds. As
+    ``Trial.winner`` does, a plan replaces the set's first (the model's pick) only when
+    ``margin`` faster and each of its rounds beat each of the first's, and it is kept over
+    DGL's layer only when ``margin`` faster. Regret against the fastest candidate (copies of
+    one steady work merged, ``score``). The rounds it judges by are among those the steady
+    times are the median of, so it flatters every setting alike."""
     samples = {}
     for d in details:
         if d.get("samples_ms"):
@@ -810,9 +812,14 @@ def emulate(rows, details, sets=EMULATED, margin=0.05):
         for name, how, calls in sets:
             if name not in sets_here:
                 continue
-            cands = [k for k in sets_here.get(name, []) if k in samples[cfg]] + [DGL]
-            judged = {k: stat[how](samples[cfg][k][:calls]) for k in cands}
+            plans = [k for k in sets_here.get(name, []) if k in samples[cfg]]
+            rounds = {k: samples[cfg][k][:calls] for k in plans + [DGL]}
+            judged = {k: stat[how](v) for k, v in rounds.items()}
             pick = min(judged, key=judged.get)
+            first = plans[0] if plans else None
+            if pick not in (first, DGL) and (judged[pick] > (1 - margin) * judged[first]
+                                             or max(rounds[pick]) >= min(rounds[first])):
+                pick = first
             if judged[pick] > (1 - margin) * judged[DGL]:
                 pick = DGL
             out.setdefault((name, how, calls), []).append(

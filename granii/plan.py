@@ -333,6 +333,23 @@ def _accumulates(plan, step):
             and len(readers) == 1 and readers[0] is step and c != plan.out)
 
 
+def unit_scalars(plan, module):
+    """The scalar leaves of ``plan`` (GIN's ``1 + eps``) that are exactly one on ``module`` now
+    and need no gradient: the generated code skips their row scalings (``_step_expr``), so
+    selection prices those as free."""
+    out = set()
+    for var, leaf in plan.leaves.items():
+        if leaf.source[0] == "scalar" and module is not None:
+            _, attr, offset, factor = leaf.source
+            try:
+                one = is_one(scalar(module, attr, offset, factor))
+            except (AttributeError, TypeError, RuntimeError):
+                continue
+            if one:
+                out.add(var)
+    return out
+
+
 def is_one(s):
     """``s`` (a one-element tensor) is exactly 1 and needs no gradient: scaling by it is a no-op.
     For a scalar ``scalar`` kept (a buffer's), the answer kept with it."""

@@ -31,7 +31,7 @@ from .device import runs_on
 from .fuse import is_dropout
 from .kernels import sparse_rows
 from .learned import TRAIN_GRADS
-from .plan import EVERY, GRAPH, INPUT, step_impls
+from .plan import EVERY, GRAPH, INPUT, step_impls, unit_scalars
 from .prune import GE, LT
 
 EXPECTED_CALLS = 100
@@ -74,8 +74,10 @@ def scenario(symbols):
 
 
 def rank(plans, gi, symbols, model, training=False, input_grad=False,
-         expected_calls=EXPECTED_CALLS, input_repeats=False):
-    """All candidate plans for this input as ``Choice``s, cheapest first."""
+         expected_calls=EXPECTED_CALLS, input_repeats=False, module=None):
+    """All candidate plans for this input as ``Choice``s, cheapest first. With the layer
+    ``module``, a row scaling by a scalar that is exactly one there (GIN's ``1 + eps`` with
+    ``eps = 0``), which the plan skips, costs nothing."""
     scen = scenario(symbols)
     cacheable = (input_repeats and not input_grad
                  and any(s.when == INPUT for p in plans for s in p.steps))
@@ -86,8 +88,8 @@ def rank(plans, gi, symbols, model, training=False, input_grad=False,
     candidates = [p for p in plans
                   if cacheable or training or scen is None or scen in p.scenarios]
     candidates = candidates or list(plans)
-    ranked = [price(p, gi, symbols, model, training, input_grad, expected_calls, cacheable)
-              for p in candidates]
+    ranked = [price(p, gi, symbols, model, training, input_grad, expected_calls, cacheable,
+                    unit_scalars(p, module)) for p in candidates]
     return sorted(ranked, key=lambda c: c.cost)
 
 
@@ -156,13 +158,19 @@ def graph_work(choice):
                         if s.sig is not None and "E" in s.sig[2]))
 
 
-def price(plan, gi, symbols, model, training, input_grad, expected_calls, cacheable=False):
+def price(plan, gi, symbols, model, training, input_grad, expected_calls, cacheable=False,
+          ones=()):
     grad_vars = _needs_grad(plan, training, input_grad)
     impls, rows, total, alts = [], [], 0.0, []
     runs = getattr(gi.g, "runs", None)      # an index graph (granii/pyg) runs no DGL kernel
     for step in plan.steps:
         if step.sig is None:
             impls.append("inline")
+            continue
+        if step.prim == "row_scale" and step.args[0] in ones and step.var != plan.out:
+            impl = step_impls(step)[0]                   # skipped at run time (``is_one``)
+            impls.append(impl)
+            rows.append((step, impl, 0.0))
             continue
         dims = concrete_dims(step.sig, symbols)
         options = []

@@ -232,3 +232,4 @@ def test_density_is_read_through_dropout(cora):
     assert _density(plan, symbols, gemm.args[0]) == symbols["density:feat"] < sparse_rows.LIMIT
     cheaper = next(c for c in ranking if c.plan is plan).step_costs
     assert any(st.prim == "gemm" and impl == "native" for st, impl, _ in cheaper)
+

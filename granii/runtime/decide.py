@@ -71,7 +71,7 @@ def _decide(state, options, call):
     state.ranked += 1
     calls = 1 if call.gi.is_block else options.expected_calls
     ranking = rank(call.compiled.plans, call.gi, call.symbols, model, call.training,
-                   call.input_grad, calls, call.input_repeats)
+                   call.input_grad, calls, call.input_repeats, call.module)
     limit = options.memory_limit
     if limit is None and call.gi.gpu:
         limit = free_memory(call.gi.device)

@@ -314,10 +314,16 @@ def _step_expr(plan, step, impl):
     expr = _expr(step, impl, plan.applies.get(step.var))
     if _accumulates(plan, step):
         expr = expr[:-1] + ", into=True)"
-    leaf = plan.leaves.get(step.args[0]) if step.prim == "row_scale" else None
-    if leaf is not None and leaf.source[0] == "scalar" and step.var != plan.out:
+    if skipped_when_one(plan, step):
         expr = f"{step.args[1]} if is_one({step.args[0]}) else {expr}"
     return expr
+
+
+def skipped_when_one(plan, step):
+    """``step`` scales by a scalar leaf and makes an intermediate: the generated code skips it
+    when the scalar is exactly one (``is_one``)."""
+    leaf = plan.leaves.get(step.args[0]) if step.prim == "row_scale" else None
+    return leaf is not None and leaf.source[0] == "scalar" and step.var != plan.out
 
 
 def _accumulates(plan, step):
@@ -338,8 +344,10 @@ def unit_scalars(plan, module):
     and need no gradient: the generated code skips their row scalings (``_step_expr``), so
     selection prices those as free."""
     out = set()
+    if module is None:
+        return out
     for var, leaf in plan.leaves.items():
-        if leaf.source[0] == "scalar" and module is not None:
+        if leaf.source[0] == "scalar":
             _, attr, offset, factor = leaf.source
             try:
                 one = is_one(scalar(module, attr, offset, factor))

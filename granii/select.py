@@ -31,7 +31,7 @@ from .device import runs_on
 from .fuse import is_dropout
 from .kernels import sparse_rows
 from .learned import TRAIN_GRADS
-from .plan import EVERY, GRAPH, INPUT, step_impls, unit_scalars
+from .plan import EVERY, GRAPH, INPUT, skipped_when_one, step_impls, unit_scalars
 from .prune import GE, LT
 
 EXPECTED_CALLS = 100
@@ -167,8 +167,8 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
         if step.sig is None:
             impls.append("inline")
             continue
-        if step.prim == "row_scale" and step.args[0] in ones and step.var != plan.out:
-            impl = step_impls(step)[0]                   # skipped at run time (``is_one``)
+        if step.args[0] in ones and skipped_when_one(plan, step):
+            impl = step_impls(step)[0]
             impls.append(impl)
             rows.append((step, impl, 0.0))
             continue

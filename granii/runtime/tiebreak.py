@@ -159,12 +159,13 @@ class Trial:
         self.dropped += slow
         self.candidates = [c for c in self.candidates if c not in slow]
 
-    def _timed(self, c):
-        ts = self.times[c[0]]
+    def _timed(self, label):
+        """The timed calls of ``label`` (all of them while only untimed ones were made)."""
+        ts = self.times[label]
         return ts[self.warm:] or ts
 
     def medians(self):
-        timed = {label: ts[self.warm:] or ts for label, ts in self.times.items() if ts}
+        timed = {label: self._timed(label) for label, ts in self.times.items() if ts}
         return {label: sorted(ts)[len(ts) // 2] for label, ts in timed.items()}
 
     def winner(self):
@@ -186,7 +187,7 @@ class Trial:
         first = next((c for c in timed if c[0] == self.predicted), None)
         if (first is not None and best is not first and best[0] != ORIGINAL
                 and (med[best[0]] > (1 - PLAN_MARGIN) * med[first[0]]
-                     or max(self._timed(best)) >= min(self._timed(first)))):
+                     or max(self._timed(best[0])) >= min(self._timed(first[0])))):
             best = first
         original = next((c for c in timed if c[0] == ORIGINAL), None)
         if original is not None and med[best[0]] > (1 - ORIGINAL_MARGIN) * med[ORIGINAL]:

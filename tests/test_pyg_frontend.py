@@ -404,8 +404,8 @@ def test_granii_optimizes_a_pyg_model_and_restores_it(capsys):
 
 
 class PreferTorchCsr(AnalyticalCost):
-    """Prices torch's CSR kernels below the others: the choice a kernel that cannot run on the
-    call must not get."""
+    """Prices torch's CSR kernels below the others, so plans run them (the weighted product's
+    edge-value gradient included)."""
 
     def predict(self, prim, impl, gi, dims):
         return super().predict(prim, impl, gi, dims) * (0.01 if impl == "torch_csr" else 1.0)
@@ -419,7 +419,7 @@ def test_granii_passes_edge_weights_and_explains_a_refused_layer(capsys):
     original = copy.deepcopy(model)
     x, ei = torch.randn(14, 6), _graph("directed")
     w = (torch.rand(ei.shape[1]) + 0.5).requires_grad_()
-    # torch_csr's weighted product takes its edge-value gradient from DGL: never chosen here
+    # torch_csr's weighted product, edge-value gradient included, where it runs
     granii(model, x, ei, extra_args=(w,), cost_model=PreferTorchCsr(), tune=False)
     _same_grads(model, original, x, ei, w, calls=3)      # the edge weights' gradient too
     ran = what_ran(model)

@@ -196,18 +196,7 @@ def test_spmm_weighted_features_gradient(graph, impl):
     compare(lambda x: get("spmm_weighted", impl)(gi, w, x), lambda x: a @ x, [x])
 
 
-# spmm_weighted/torch_csr computes the edge values' gradient with DGL's u_dot_v on gi.g
-# (kernels/spmm.py): on a graph that is not a DGL graph, in training, it fails (so does
-# gat_aggregate/torch, which aggregates with it). Strict: when it stops failing, say so here.
-NEEDS_DGL_GRAPH = pytest.mark.xfail(strict=True, reason="the edge-value gradient of "
-                                    "spmm_weighted/torch_csr is DGL's u_dot_v on a DGL graph")
-
-
-def _needing_dgl_graph(impls, bad):
-    return [pytest.param(i, marks=NEEDS_DGL_GRAPH) if i == bad else i for i in impls]
-
-
-@pytest.mark.parametrize("impl", _needing_dgl_graph(torch_impls("spmm_weighted"), "torch_csr"))
+@pytest.mark.parametrize("impl", torch_impls("spmm_weighted"))
 def test_spmm_weighted_edge_gradient(graph, impl):
     """``dw_e = <dY[v], X[u]>`` as well as ``dX = A_w^T dY``."""
     gi = graph_info(graph)
@@ -266,7 +255,7 @@ def test_spmm_norm(graph, impl):
             [d_dst, d_src, x, bias])
 
 
-@pytest.mark.parametrize("impl", _needing_dgl_graph(torch_impls("gat_aggregate"), "torch"))
+@pytest.mark.parametrize("impl", torch_impls("gat_aggregate"))
 def test_gat_aggregate(graph, impl):
     """``Y[v, h] = sum_{u -> v} softmax_v(leaky_relu(el[u, h] + er[v, h])) X[u, h]``."""
     gi, heads, f = graph_info(graph), 2, 3

@@ -3,7 +3,7 @@
 ``torch_csr`` implementations multiply with torch CSR tensors inside custom autograd functions:
 the backward ``dX = A^T dY`` uses a transpose built once per graph from ``gi.csr_out()`` and kept in
 ``gi.cache`` (torch's own CSR backward re-transposes ``A`` on every call), and the edge-value
-gradient is the SDDMM ``dw_e = <dY[v], X[u]>`` (DGL's ``u_dot_v``, in edge order).
+gradient is the SDDMM ``dw_e = <dY[v], X[u]>`` by gathers in edge order.
 """
 import sys
 import warnings
@@ -142,8 +142,8 @@ class _SpMMWeighted(torch.autograd.Function):
 
     ``w2``: ``(E, H)``; ``x``: ``(n_src, H, K)``; returns ``(n_dst, H, K)``. ``entry`` is the cache
     entry of a constant ``w`` (then ``w2`` needs no grad) or ``None``. All heads run as one CSR
-    product on interleaved rows (``_head_index``); ``dw`` is one SDDMM (DGL's ``u_dot_v``, which
-    gives it in edge order).
+    product on interleaved rows (``_head_index``); ``dw`` is one SDDMM by gathers in edge
+    order (any framework's graph, any device).
     """
 
     @staticmethod
@@ -170,8 +170,9 @@ class _SpMMWeighted(torch.autograd.Function):
                 at = _head_csr(gi, "at", w2)
             dx = (at @ dy).reshape(-1, heads, k)
         if ctx.needs_input_grad[0]:
-            import dgl
-            dw = dgl.ops.u_dot_v(gi.g, x, dy.reshape(n_dst, heads, k)).reshape(w2.shape)
+            src, dst = gi.edges()
+            dy = dy.reshape(n_dst, heads, k)
+            dw = (dy[dst] * x[src]).sum(-1).reshape(w2.shape)
         return dw, dx, None, None
 
 

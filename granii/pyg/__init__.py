@@ -131,33 +131,11 @@ def prepare(layer, *args, **kwargs):
     return Prepared(layer, pir, compiled, bind_call(layer, pir, compiled, values), values)
 
 
-def step_impls(step, edge_grad, graph):
+def step_impls(step, graph):
     """The kernel implementations of a plan step that run on the index graph ``graph`` (not
-    DGL's; the GPU's on a graph on the GPU); ``edge_grad``: the step's per-edge values (its first
-    operand) need a gradient."""
+    DGL's; the GPU's on a graph on the GPU)."""
     from ..plan import step_impls as all_impls
-    needed = (0,) if edge_grad else ()
-    return tuple(i for i in all_impls(step) if graph.runs(step.prim, i, needed))
-
-
-def _edge_grads(plan, call):
-    """Per step of ``plan``: whether its first operand needs a gradient in this call, as the
-    selection reads it (``select._needs_grad``): the call's per-edge values that need one, or
-    values computed from parameters (GAT's attention) while gradients are on."""
-    from ..select import _base
-    if not torch.is_grad_enabled():
-        return [False] * len(plan.steps)
-    needs = set()
-    for var, leaf in plan.leaves.items():
-        value = call.leaf_vals.get(var)
-        if leaf.sub == "weight" and leaf.source[0] in ("param", "param_block", "headdiag") \
-                and any(p.requires_grad for p in call.module.parameters()) \
-                or getattr(value, "requires_grad", False):
-            needs.add(var)
-    for st in plan.steps:
-        if any(_base(a) in needs for a in st.args):
-            needs.add(st.var)
-    return [bool(st.args) and _base(st.args[0]) in needs for st in plan.steps]
+    return tuple(i for i in all_impls(step) if graph.runs(step.prim, i))
 
 
 def edge_grad(call):
@@ -175,9 +153,8 @@ def plan_choices(prepared):
     are left out."""
     out = []
     for plan in prepared.plans:
-        grads = _edge_grads(plan, prepared.call)
         graph = prepared.call.gi.g
-        per_step = [step_impls(s, g, graph) for s, g in zip(plan.steps, grads)]
+        per_step = [step_impls(s, graph) for s in plan.steps]
         if any(not o for o in per_step):
             continue
         n = max((len(o) for o in per_step), default=1)
@@ -200,8 +177,7 @@ def run(prepared, plan=None, impls=None):
             raise FrontendError("plans", "every plan needs a kernel only DGL has")
         plan, impls = choices[0]
     if impls is None:
-        impls = tuple(step_impls(s, g, call.gi.g)[0]
-                      for s, g in zip(plan.steps, _edge_grads(plan, prepared.call)))
+        impls = tuple(step_impls(s, call.gi.g)[0] for s in plan.steps)
     return run_plan(call, plan, impls)
 
 

@@ -82,15 +82,10 @@ class IndexGraph:
         torch.cumsum(counts, 0, out=indptr[1:])
         return indptr, cols[eids], eids
 
-    def runs(self, prim, impl, needed=()):
-        """Whether kernel ``impl`` of ``prim`` runs on this index graph, with the gradients of
-        the operand positions ``needed``: DGL's kernels need a DGL graph, and so does the
-        gradient to the edge values (position 0) of ``spmm_weighted``/``torch_csr`` (DGL's
-        u_dot_v); a graph on the GPU runs the GPU's kernels (``granii.device``)."""
-        if impl == "dgl" or not runs_on(impl, is_gpu(self.device)):
-            return False
-        return not (0 in needed and (prim, impl) in (("spmm_weighted", "torch_csr"),
-                                                     ("gat_aggregate", "torch")))
+    def runs(self, prim, impl):
+        """Whether kernel ``impl`` of ``prim`` runs on this index graph: DGL's kernels need a
+        DGL graph; a graph on the GPU runs the GPU's kernels (``granii.device``)."""
+        return impl != "dgl" and runs_on(impl, is_gpu(self.device))
 
     def in_degrees(self):
         """Edges into each node (``A 1``), parallel edges counted."""

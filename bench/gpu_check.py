@@ -21,7 +21,10 @@ report) once ``--budget`` seconds are spent:
    ``adj_t`` (GCN, SAGE), ``triton-plan`` (the same parameters through a forward of granii's
    Triton kernels composed by hand) and last ``torch.compile`` of the PyG model. Each cell's
    median and its ms per call over the first 100 calls (the first included); outputs, loss and
-   gradients checked against the first variant's.
+   gradients checked against the first variant's; for granii's cells, the peak of the settled
+   calls beside the cell's (whose first calls include the tie-break's turn of PyG's forward).
+   Then (``warm-cache``) granii's cells again in a new process, whose first calls find the
+   Triton kernels compiled in Triton's cache on disk, as every run after a machine's first does.
 4. **Decisions**: single layers; granii's settled choice against every plan and kernel choice
    (``pyg.plan_choices``) and PyG's forward, timed alike; the regret.
 5. **Kernels** (median of ``--reps`` after warm-up, CUDA events): SpMM at 32 and 128 features by
@@ -453,6 +456,8 @@ def model_timings(run, graph, src, dst, n, compiled, label=""):
         cells.append((kind, model, variants))
     order = [(k, m, name, v) for k, m, vs in cells for name, v in vs.items() if run.wants(name)]
     for kind, model, name, (fn, graph_arg) in order:
+        if name == "compile":       # one forward function for every model: its own cache each
+            torch._dynamo.reset()
         for training in (False, True):
             mode = "training" if training else "inference"
             if run.left() < (60 if name == "compile" else 20):
@@ -461,8 +466,8 @@ def model_timings(run, graph, src, dst, n, compiled, label=""):
             try:
                 run.reset_peak()
                 owner = fn.model if isinstance(fn, GraniiModel) else model
-                ms, first, check, first100 = _model_cell(run, owner, fn, x, graph_arg, y,
-                                                         training)
+                ms, first, check, first100, peak, steady = _model_cell(
+                    run, owner, fn, x, graph_arg, y, training)
                 err = ok = None
                 note = f"first call {first * 1e3:.0f} ms" if name == "compile" else ""
                 if isinstance(fn, GraniiModel):
@@ -475,7 +480,9 @@ def model_timings(run, graph, src, dst, n, compiled, label=""):
                               for a, b in zip(check, ref))
                     ok = err < (2e-3 if name != "adj_t" else 1e-2)
                     note = "; ".join(t for t in (note, f"vs {ref_name}") if t)
-                run.row("models", kind + label, name, mode, ms, run.peak(), err, ok, note,
+                if steady is not None and isinstance(fn, GraniiModel):
+                    note = f"{note}; settled calls' peak {steady:.0f} MiB"
+                run.row("models", kind + label, name, mode, ms, peak, err, ok, note,
                         first100=first100)
             except Exception as ex:     # noqa: BLE001
                 run.row("models", kind + label, name, mode,
@@ -617,7 +624,9 @@ def _adj_t(src, dst, n, keep_loops):
 def _settle(run, fn, first):
     """Calls of ``fn`` after its first until granii's tie-breaks have settled (at most 40; one
     for the others): their milliseconds. Then ``(median ms, ms per call over the first 100
-    calls, the first included)``, the calls after those timed taken at the median."""
+    calls, the first included, peak MiB of all calls, peak MiB of the settled calls)``, the
+    calls after those timed taken at the median: the settled peak leaves out what the first
+    calls held (granii's tie-break runs the layer's own forward once)."""
     times = []
     graniis = getattr(fn, "granii_model", None) is not None
     for _ in range(40 if graniis else 1):
@@ -628,9 +637,12 @@ def _settle(run, fn, first):
         times.append(1e3 * (time.perf_counter() - t))
         if not graniis or settled(fn.granii_model):
             break
+    before = run.peak()
+    run.reset_peak()
     ms = run.time(fn)
+    steady = run.peak()
     first100 = (1e3 * first + sum(times) + (99 - len(times)) * ms) / 100
-    return ms, first100
+    return ms, first100, None if before is None else max(before, steady), steady
 
 
 def settled(model):
@@ -642,8 +654,8 @@ def settled(model):
 
 
 def _model_cell(run, model, fn, x, graph_arg, y, training):
-    """``(median ms, first call s, tensors to compare, ms per call over the first 100)``:
-    inference gives the output; training the first step's loss and the gradients of every
+    """``(median ms, first call s, tensors to compare, ms per call over the first 100, peak MiB,
+    settled calls' peak MiB)``: inference gives the output; training the first step's loss and the gradients of every
     parameter (before Adam moves them), then steps go on from a copy of the parameters so each
     variant starts from the same ones."""
     params = list(model.parameters())
@@ -659,8 +671,8 @@ def _model_cell(run, model, fn, x, graph_arg, y, training):
         run.sync()
         first = time.monotonic() - t
         call.granii_model = fn.model if isinstance(fn, GraniiModel) else None
-        ms, first100 = _settle(run, call, first)
-        return ms, first, [out.float()], first100
+        ms, first100, peak, steady = _settle(run, call, first)
+        return ms, first, [out.float()], first100, peak, steady
     model.train()
     opt = torch.optim.Adam(params, lr=1e-3)
 
@@ -678,11 +690,43 @@ def _model_cell(run, model, fn, x, graph_arg, y, training):
     first = time.monotonic() - t
     check = [loss.detach().reshape(1)] + [p.grad.detach().clone() for p in params]
     step.granii_model = fn.model if isinstance(fn, GraniiModel) else None
-    ms, first100 = _settle(run, step, first)
+    ms, first100, peak, steady = _settle(run, step, first)
     with torch.no_grad():
         for p, s in zip(params, saved):
             p.copy_(s)
-    return ms, first, check, first100
+    return ms, first, check, first100, peak, steady
+
+
+def warm_cache_first_calls(run):
+    """granii's model cells again in a new process, after this one compiled their Triton
+    kernels into Triton's cache on disk: the first calls of every later run on this machine
+    (the cells above are the machine's first run, every kernel compiled cold)."""
+    if run.left() < 90 or run.args.small:
+        run.row("models", "all", "granii (warm cache)", note="skipped: budget" if
+                not run.args.small else "skipped: no compilation under the interpreter")
+        return
+    out = Path(tempfile.mkdtemp())
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--skip-checks", "--steps", "",
+           "--variants", "granii", "--nodes", str(run.args.nodes), "--models",
+           ",".join(run.args.models), "--budget", str(max(30, run.left() - 60)), "--out",
+           str(out)]
+    run.say("granii's first calls in a new process, Triton's cache warm")
+    try:
+        subprocess.run(cmd, cwd=ROOT, timeout=max(60, run.left() - 30), capture_output=True)
+    except subprocess.TimeoutExpired:
+        run.row("models", "all", "granii (warm cache)", note="timed out")
+        return
+    import csv
+    path = out / "gpu_check.csv"
+    rows = list(csv.DictReader(path.open())) if path.exists() else []
+    for r in rows:
+        if r["section"] == "models" and r["variant"] == "granii":
+            r["variant"] = "granii (warm cache)"
+            run.rows.append(r)
+            run.say(f"  {r['name']} {r['variant']} {r['mode']}: ms={r['ms']}, "
+                    f"first100_ms={r['first100_ms']}, {r['note']}")
+    if not rows:
+        run.row("models", "all", "granii (warm cache)", note="the new process wrote no rows")
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -747,9 +791,12 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--models", default="gcn,sage,gat")
-    p.add_argument("--steps", default="kernel-checks,kernels,decisions,social,profile,compile",
+    p.add_argument("--steps",
+                   default="kernel-checks,warm-cache,kernels,decisions,social,profile,compile",
                    help="steps: kernel-checks (the Triton kernels' own checks; the GPU path's "
-                        "always run), kernels, decisions (every plan against granii's choice), "
+                        "always run), warm-cache (granii's model cells again in a new process, "
+                        "Triton's cache warm), kernels, decisions (every plan against granii's "
+                        "choice), "
                         "social (the models on github-social), profile (this GPU's cost model: "
                         "gpu_points.csv, gpu_model.json), compile (torch.compile cells)")
     p.add_argument("--profile-budget", type=float, default=60.0)
@@ -801,6 +848,8 @@ def main(argv=None):
     # the models first: their first calls compile the Triton kernels they run (in a fresh
     # process, as a user's first run does), then the kernels alone
     model_timings(run, graph, src, dst, n, compiled=False)
+    if "warm-cache" in args.steps:
+        warm_cache_first_calls(run)
     specs = layer_specs(args)
     if "decisions" in args.steps:
         decision_timings(run, src, dst, n, "", {k: v for k, v in specs.items()

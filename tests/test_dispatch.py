@@ -1062,6 +1062,31 @@ def test_trial_drops_a_candidate_whose_first_call_is_far_slower():
     assert len(t.candidates) == 2
 
 
+def test_trial_on_the_gpu_keeps_a_plan_whose_first_call_compiled():
+    """On the GPU a plan's untimed first call compiles its kernels: it stays in the trial however
+    slow that call was, while the layer's own forward still leaves for a far slower first call;
+    the trial then keeps the plan that was fastest when timed."""
+    from granii.runtime.state import ORIGINAL
+    from granii.runtime.tiebreak import TRIAL_FIRST_DROP, TRIAL_ROUNDS, Trial
+    unit = 0.01
+    slow_first = 100 * TRIAL_FIRST_DROP * unit
+    for compiles, kept in ((False, ["[a]"]), (True, ["[a]", "[b]"])):
+        t = Trial([("[a]", None, None), ("[b]", None, None), (ORIGINAL, None, None)],
+                  compiles=compiles)
+        t.record("[a]", unit)               # untimed
+        t.record("[b]", slow_first)         # untimed: its kernels compiled
+        t.record(ORIGINAL, slow_first)      # untimed
+        t.record("[a]", 5 * unit)           # timed
+        t.drop_slow()
+        assert [c[0] for c in t.candidates] == kept
+    for _ in range(TRIAL_ROUNDS):
+        t.record("[b]", unit)
+    for _ in range(TRIAL_ROUNDS - 1):
+        t.record("[a]", 5 * unit)
+    t.drop_slow()
+    assert t.done() and t.winner()[0] == "[b]"
+
+
 def test_trial_times_plans_whose_graph_work_differs():
     """Of plans predicted close to the best, the tie-break skips those that run the same graph
     kernels on the same sizes as one already taken (they differ in dense products only)."""

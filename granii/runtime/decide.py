@@ -95,8 +95,12 @@ def _decide(state, options, call):
     # would cost several calls at many times a plan's time, and it never wins
     if not getattr(call.compiled.layer_ir, "udfs", ()):
         cands.append((ORIGINAL, None, None))
-    # each sampled block is new, so a candidate's first call on one is like its later calls
-    return Trial(cands, warm=0 if call.gi.is_block else 1) if len(cands) > 1 else chosen
+    if len(cands) == 1:
+        return chosen
+    # each sampled block is new, so a candidate's first call on one is like its later calls;
+    # but not on the GPU, where a plan's first call compiles its kernels
+    warm = 0 if call.gi.is_block and not call.gi.gpu else 1
+    return Trial(cands, warm=warm, compiles=call.gi.gpu)
 
 
 def within_memory(ranking, symbols, limit):

@@ -60,6 +60,7 @@ class Trial:
     pending: list = field(default_factory=list)   # [(label, forward seconds, BackwardClock)]
     dropped: list = field(default_factory=list)   # candidates ``drop_slow`` took out
     predicted: str = None                         # the label the cost model ranked first
+    compiles: bool = False                        # plans' first calls compile kernels (GPU)
 
     def __post_init__(self):
         if self.predicted is None and self.candidates:
@@ -134,7 +135,11 @@ class Trial:
         whose untimed first call exceeds ``TRIAL_FIRST_DROP`` times another's fastest timed
         call and by ``TRIAL_FIRST_EXCESS`` seconds. On sampled blocks (no untimed call) a
         candidate leaves after its first call when that is over ``TRIAL_DROP_ONE`` times
-        another's: one time each, on blocks of their own, asks for the wider margin."""
+        another's: one time each, on blocks of their own, asks for the wider margin. On the GPU
+        (``compiles``) a plan's first call compiles its Triton kernels (seconds, where a call
+        takes milliseconds): there only the layer's own forward leaves for its first call (seen
+        on the H200: GAT's fused plan, whose backward kernels compiled in its first training
+        call, left the trial, and an unfused plan 5x slower was kept)."""
         best = {c[0]: min(self.times[c[0]][self.warm:]) for c in self.candidates
                 if len(self.times.get(c[0], ())) > self.warm}
         if not best:
@@ -143,6 +148,8 @@ class Trial:
         for c in self.candidates:
             ts = self.times.get(c[0], ())
             others = [t for label, t in best.items() if label != c[0]]
+            if self.compiles and c[0] != ORIGINAL:
+                continue        # its first call compiled its kernels: no verdict on its speed
             if (len(ts) == 1 and others and ts[0] > TRIAL_FIRST_DROP * min(others)
                     and ts[0] - min(others) > TRIAL_FIRST_EXCESS):
                 slow.append(c)

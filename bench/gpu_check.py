@@ -57,7 +57,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-FIELDS = ["section", "name", "variant", "mode", "ms", "first100_ms", "peak_mib", "max_err", "ok",
+FIELDS = ["section", "name", "variant", "mode", "ms", "first100_ms", "peak_mib", "held_mib",
+          "max_err", "ok",
           "note"]
 
 
@@ -80,17 +81,19 @@ class Run:
         print(f"[{time.monotonic() - self.t0:6.1f} s] {msg}", flush=True)
 
     def row(self, section, name, variant, mode="", ms=None, peak=None, err=None, ok=None,
-            note="", first100=None):
+            note="", first100=None, held=None):
         r = dict(section=section, name=name, variant=variant, mode=mode,
                  ms="" if ms is None else f"{ms:.3f}",
                  first100_ms="" if first100 is None else f"{first100:.3f}",
                  peak_mib="" if peak is None else
-                 f"{peak:.0f}", max_err="" if err is None else f"{err:.2e}",
+                 f"{peak:.0f}", held_mib="" if held is None else f"{held:.0f}",
+                 max_err="" if err is None else f"{err:.2e}",
                  ok="" if ok is None else ("yes" if ok else "NO"), note=note)
         self.rows.append(r)
         self.say(f"  {section} {name} {variant} {mode}: "
                  + ", ".join(f"{k}={v}" for k, v in r.items()
-                             if k in ("ms", "first100_ms", "peak_mib", "max_err", "ok", "note")
+                             if k in ("ms", "first100_ms", "peak_mib", "held_mib", "max_err",
+                                      "ok", "note")
                              and v))
         return r
 
@@ -105,6 +108,10 @@ class Run:
 
     def peak(self):
         return torch.cuda.max_memory_allocated() / 2**20 if self.dev.type == "cuda" else None
+
+    def held(self):
+        """MiB allocated now (what a cell's peak includes from before it started)."""
+        return torch.cuda.memory_allocated() / 2**20 if self.dev.type == "cuda" else None
 
     def time(self, fn, reps=None, warmup=None):
         """Median milliseconds of ``fn()`` over ``reps`` calls after ``warmup`` calls (1 on a GPU,
@@ -465,6 +472,7 @@ def model_timings(run, graph, src, dst, n, compiled, label=""):
                 continue
             try:
                 run.reset_peak()
+                held = run.held()
                 owner = fn.model if isinstance(fn, GraniiModel) else model
                 ms, first, check, first100, peak, steady = _model_cell(
                     run, owner, fn, x, graph_arg, y, training)
@@ -483,7 +491,7 @@ def model_timings(run, graph, src, dst, n, compiled, label=""):
                 if steady is not None and isinstance(fn, GraniiModel):
                     note = f"{note}; settled calls' peak {steady:.0f} MiB"
                 run.row("models", kind + label, name, mode, ms, peak, err, ok, note,
-                        first100=first100)
+                        first100=first100, held=held)
             except Exception as ex:     # noqa: BLE001
                 run.row("models", kind + label, name, mode,
                         note=("OOM" if is_oom(ex) else f"error: {type(ex).__name__}: {ex}")[:300])
@@ -771,9 +779,9 @@ def write_report(run):
         if not rows:
             continue
         lines += [f"## {title}", "",
-                  "| name | variant | mode | ms | ms/call, first 100 | peak MiB | max err | ok "
-                  "| note |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| name | variant | mode | ms | ms/call, first 100 | peak MiB | held before, "
+                  "MiB | max err | ok | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append("| " + " | ".join(r[k] for k in FIELDS[1:]) + " |")
         lines.append("")

@@ -40,6 +40,7 @@ Writes ``report.md`` and ``gpu_check.csv`` to ``--out`` (default: ``$OUT`` when 
 import argparse
 import copy
 import json
+import math
 import os
 import platform
 import subprocess
@@ -756,6 +757,60 @@ def describe_device(dev):
     return "; ".join(parts)
 
 
+def summary(rows):
+    """Markdown lines: per model and mode, PyG's variants and granii's ms per call over the
+    first 100 calls (the first included), granii over the fastest PyG variant and over PyG
+    eager, the same on the settled calls, and the geometric means (issue 37's targets)."""
+    cell = {(r["name"], r["variant"], r["mode"]): r for r in rows
+            if r["section"] == "models" and r["ms"]}
+
+    def get(kind, variant, mode, field="first100_ms"):
+        r = cell.get((kind, variant, mode))
+        return float(r[field]) if r and r[field] else None
+
+    def ms(v):
+        return "-" if v is None else f"{v:.1f}"
+    lines = ["| model | mode | PyG eager | PyG adj_t | PyG compiled | granii | granii, warm "
+             "cache | x fastest PyG | x eager | settled: granii / fastest PyG | x |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratios = {"first": [], "eager": [], "settled": [], "warm": []}
+    order = ["gcn", "sage", "gat"]
+    for kind in sorted({k for k, _, _ in cell}, key=lambda k: (
+            "@" in k, k.split("@")[0] not in order,
+            order.index(k.split("@")[0]) if k.split("@")[0] in order else 0, k)):
+        for mode in ("inference", "training"):
+            pyg = {v: get(kind, v, mode) for v in ("eager", "adj_t", "compile")}
+            settled = {v: get(kind, v, mode, "ms") for v in pyg}
+            ours, ours_ms = get(kind, "granii", mode), get(kind, "granii", mode, "ms")
+            warm = get(kind, "granii (warm cache)", mode)
+            if ours is None or not any(pyg.values()):
+                continue
+            fast = min((t, v) for v, t in pyg.items() if t)
+            fast_ms = min((t, v) for v, t in settled.items() if t)
+            ratios["first"].append(fast[0] / ours)
+            ratios["settled"].append(fast_ms[0] / ours_ms)
+            if pyg["eager"]:
+                ratios["eager"].append(pyg["eager"] / ours)
+            if warm:
+                ratios["warm"].append(fast[0] / warm)
+            lines.append(f"| {kind} | {mode} | {ms(pyg['eager'])} | {ms(pyg['adj_t'])} | "
+                         f"{ms(pyg['compile'])} | {ms(ours)} | {ms(warm)} | "
+                         f"{fast[0] / ours:.2f} ({fast[1]}) | "
+                         + (f"{pyg['eager'] / ours:.1f}" if pyg["eager"] else "-")
+                         + f" | {ours_ms:.1f} / {fast_ms[0]:.1f} ({fast_ms[1]}) | "
+                           f"{fast_ms[0] / ours_ms:.2f} |")
+
+    def gm(v):
+        return math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan")
+    lines += ["", "Geometric means over the cells: granii over the fastest PyG variant "
+              f"{gm(ratios['first']):.2f}x (least {min(ratios['first'], default=0):.2f}x), over "
+              f"PyG eager {gm(ratios['eager']):.2f}x, ms per call over the first 100 calls; on "
+              f"the settled calls {gm(ratios['settled']):.2f}x (least "
+              f"{min(ratios['settled'], default=0):.2f}x); with Triton's cache warm "
+              f"{gm(ratios['warm']):.2f}x."]
+    return lines
+
+
 def write_report(run):
     """``report.md`` and ``gpu_check.csv`` of what has run so far (rewritten after each step, so
     that a run cut short still leaves its results)."""
@@ -770,6 +825,10 @@ def write_report(run):
              f"Graph: {graph_line}.", "",
              f"Command: `{' '.join(sys.argv)}`; {time.monotonic() - run.t0:.0f} s. Kernel checks: "
              f"{'none run' if not checks else 'all passed' if checks_ok else 'FAILED'}.", ""]
+    if any(r["section"] == "models" and r["variant"] == "granii" and r["ms"]
+           for r in run.rows):
+        lines += ["## Summary (ms per call over the first 100 calls, the first included)", ""]
+        lines += summary(run.rows) + [""]
     for section, title in (("checks", "Kernel checks (outputs and gradients vs torch)"),
                            ("kernels", "Kernels (median ms)"),
                            ("models", "2-layer models (median ms per call)"),
@@ -810,7 +869,14 @@ def main(argv=None):
     p.add_argument("--profile-budget", type=float, default=60.0)
     p.add_argument("--variants", default=None,
                    help="only these model variants (comma-separated; default: all)")
+    p.add_argument("--summarize", default=None, metavar="CSV",
+                   help="print the summary table of a finished run's gpu_check.csv and exit")
     args = p.parse_args(argv)
+    if args.summarize:
+        import csv
+        with open(args.summarize) as f:
+            print("\n".join(summary(list(csv.DictReader(f)))))
+        return 0
     if args.small:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         if os.environ.get("TRITON_INTERPRET") != "1":

@@ -113,13 +113,24 @@ GPU_FACTORS = (("spmm", "torch", 8.0), ("spmm_norm", "torch", 8.0),
 
 
 def describe(device):
-    """The GPU as its cost model is named: model, SMs, memory, CUDA and torch versions."""
+    """The GPU as its cost model is named: model, SMs, memory, CUDA, torch and driver versions
+    (a fitted model serves a GPU of the same model and SM count)."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return f"{dev} (the GPU path on the CPU)"
     p = torch.cuda.get_device_properties(dev)
     return (f"{p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB, "
-            f"CUDA {torch.version.cuda}, torch {torch.__version__}")
+            f"CUDA {torch.version.cuda}, torch {torch.__version__}, driver {driver_version()}")
+
+
+def driver_version(path="/proc/driver/nvidia/version"):
+    """The NVIDIA kernel driver's version (Linux), or ``"unknown"``."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return "unknown"
+    words = text.split("Kernel Module", 1)[-1].split()
+    return words[0] if words and words[0][:1].isdigit() else "unknown"
 
 
 def free_memory(device, share=0.8):

@@ -126,3 +126,27 @@ def test_measured_rates_and_the_analytical_gpu_model_without_a_fitted_one(tmp_pa
     slow = model.predict("spmm", "torch", gi, {"n": 3, "k": 64})       # PyG-style scatter
     fast = model.predict("spmm", "triton", gi, {"n": 3, "k": 64})
     assert slow > fast > 0
+
+
+def test_the_shipped_h200_model_serves_that_card_only_and_prices_every_gpu_kernel():
+    """``costmodels/gpu`` holds the model fitted on the H200 of the GPU check: found for that
+    card (whatever its CUDA, torch or driver versions), not for another; it prices the SpMM
+    family, the GAT kernels and GEMM by its own fit, in both phases."""
+    from granii.device import GPU_MODELS
+    h200 = "NVIDIA H200, 132 SMs, 140 GiB, CUDA 13.2, torch 2.12.0, driver 590.1"
+    model = load(GPU_MODELS, h200, fallback=None)
+    assert model is not None and model.gpu.startswith("NVIDIA H200, 132 SMs")
+    assert load(GPU_MODELS, "NVIDIA H100 80GB HBM3, 132 SMs, 79 GiB", fallback=None) is None
+    for prim, impl in (("spmm", "triton"), ("spmm", "torch_csr"), ("spmm_norm", "triton"),
+                       ("spmm_weighted", "triton"), ("gat_aggregate", "triton"),
+                       ("edge_softmax", "triton"), ("gemm", "torch")):
+        assert model.has_model(prim, impl) and model.has_model(prim, impl, "train"), (prim, impl)
+
+
+def test_the_driver_version_is_read_from_the_kernel_modules_line(tmp_path):
+    from granii.device import driver_version
+    f = tmp_path / "version"
+    f.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.86.15  Thu Jan 1 2026\n"
+                 "GCC version:  gcc version 12.3.0\n")
+    assert driver_version(f) == "570.86.15"
+    assert driver_version(tmp_path / "missing") == "unknown"

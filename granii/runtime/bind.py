@@ -126,9 +126,6 @@ def _unsupported_input(graph, feat):
         return "a heterogeneous graph (more than one node or edge type) is not optimized yet"
     if isinstance(feat, (tuple, list)):
         return "a pair of (source, destination) features is not optimized yet"
-    if getattr(graph, "device", None) is not None and graph.device.type != "cpu":
-        return (f"a DGL graph on {graph.device}: DGL models on the GPU are not optimized yet "
-                "(PyTorch Geometric models are)")
     return unsupported_features(feat)
 
 

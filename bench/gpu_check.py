@@ -30,7 +30,8 @@ report) once ``--budget`` seconds are spent:
 5. **Kernels** (median of ``--reps`` after warm-up, CUDA events): SpMM at 32 and 128 features by
    cuSPARSE, PyG's gather-scatter and granii's schedules, forward and forward + backward; the
    fused GAT against the same computation by edges in torch, eager and compiled; each checked.
-6. **github-social**: the models and decisions on the shipped graph (``social``).
+6. **github-social**: the models and decisions on the shipped graph (``social``); with
+   ``trace``, where its training steps spend their time (``trace_steps``: ``trace.md``).
 7. **Profile**: this GPU's cost model (``granii/profiling/gpu.py``): ``gpu_points.csv`` and
    ``gpu_model.json`` beside the report, for ``costmodels/gpu/``.
 
@@ -706,6 +707,67 @@ def _model_cell(run, model, fn, x, graph_arg, y, training):
     return ms, first, check, first100, peak, steady
 
 
+def trace_steps(run, src, dst, n, steps=5):
+    """Where a training step's time goes on a small graph (github-social): for PyG eager and
+    granii, per model, ``torch.profiler`` over ``steps`` settled steps gives the device's busy
+    time (the kernels' sum) beside the step's wall time, and the kernels and host calls that
+    take most; written to ``trace.md`` beside the report. A step whose kernels sum to far less
+    than its wall time waits on the host (the launches and the Python around them)."""
+    from torch.profiler import ProfilerActivity, profile
+    if run.left() < 40:
+        return
+    run.say("trace: where a training step's time goes on github-social")
+    args, dev = run.args, run.dev
+    edge_index = torch.stack([src, dst])
+    gen = torch.Generator(device=dev).manual_seed(2)
+    x = torch.randn(n, args.features, device=dev, generator=gen)
+    y = torch.randint(0, args.classes, (n,), device=dev, generator=gen)
+    lines = ["# Training steps on github-social, traced (`trace` step of the GPU check)", ""]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    for kind in args.models:
+        for variant in ("eager", "granii"):
+            if run.left() < 20:
+                break
+            torch.manual_seed(0)
+            model = build_model(kind, args.features, args.hidden, args.classes,
+                                args.heads).to(dev).train()
+            fn = GraniiModel(model, True) if variant == "granii" else model
+            params = list((fn.model if variant == "granii" else model).parameters())
+            opt = torch.optim.Adam(params, lr=1e-3)
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                torch.nn.functional.cross_entropy(fn(x, edge_index), y).backward()
+                opt.step()
+            for _ in range(40):             # past granii's tie-break
+                step()
+            run.sync()
+            t = time.perf_counter()
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    step()
+                run.sync()
+            wall = 1e3 * (time.perf_counter() - t) / steps
+            events = prof.key_averages()
+            device_ms = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events
+                            if str(getattr(e, "device_type", "")).endswith("CUDA")) / 1e3 / steps
+            launches = sum(e.count for e in events
+                           if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                        "cuLaunchKernelEx")) / steps
+            lines += [f"## {kind} {variant}: {wall:.2f} ms a step (profiled), kernels "
+                      f"{device_ms:.2f} ms, {launches:.0f} launches a step", "", "```",
+                      events.table(sort_by="self_device_time_total" if dev.type == "cuda"
+                                   else "self_cpu_time_total", row_limit=12,
+                                   max_name_column_width=60),
+                      events.table(sort_by="self_cpu_time_total", row_limit=12,
+                                   max_name_column_width=60), "```", ""]
+            run.say(f"  trace {kind} {variant}: {wall:.2f} ms a step, kernels {device_ms:.2f} "
+                    f"ms, {launches:.0f} launches")
+            del fn, model, opt
+    run.out.mkdir(parents=True, exist_ok=True)
+    (run.out / "trace.md").write_text("\n".join(lines))
+
+
 def warm_cache_first_calls(run):
     """granii's model cells again in a new process, after this one compiled their Triton
     kernels into Triton's cache on disk: the first calls of every later run on this machine
@@ -859,11 +921,13 @@ def main(argv=None):
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--models", default="gcn,sage,gat")
     p.add_argument("--steps",
-                   default="kernel-checks,warm-cache,kernels,decisions,social,profile,compile",
+                   default="kernel-checks,warm-cache,kernels,decisions,social,trace,profile,"
+                           "compile",
                    help="steps: kernel-checks (the Triton kernels' own checks; the GPU path's "
                         "always run), warm-cache (granii's model cells again in a new process, "
                         "Triton's cache warm), kernels, decisions (every plan against granii's "
-                        "choice), "
+                        "choice), trace (where github-social's training steps spend their "
+                        "time: trace.md), "
                         "social (the models on github-social), profile (this GPU's cost model: "
                         "gpu_points.csv, gpu_model.json), compile (torch.compile cells)")
     p.add_argument("--profile-budget", type=float, default=60.0)
@@ -944,6 +1008,8 @@ def main(argv=None):
             decision_timings(run, s2, d2, n2, "@github", specs)
         if "compile" in args.steps:
             model_timings(run, g2, s2, d2, n2, compiled=True, label="@github")
+        if "trace" in args.steps:
+            trace_steps(run, s2, d2, n2)
         del g2, s2, d2
     if "profile" in args.steps and not args.small and run.left() > args.profile_budget + 30:
         from granii.profiling.gpu import profile

@@ -792,7 +792,7 @@ def emulate(rows, details, sets=EMULATED, margin=0.05):
     study's own rounds: the candidates ``select.trial_candidates`` gives with that (margin, most
     plans) and DGL's layer, each judged by the statistic of its first ``calls`` rounds. As
     ``Trial.winner`` does, a plan replaces the set's first (the model's pick) only when
-    ``margin`` faster and each of its rounds beat each of the first's, and it is kept over
+    ``margin`` faster and its statistic below the first's fastest round, and it is kept over
     DGL's layer only when ``margin`` faster. Regret against the fastest candidate (copies of
     one steady work merged, ``score``). The rounds it judges by are among those the steady
     times are the median of, so it flatters every setting alike."""
@@ -818,7 +818,7 @@ def emulate(rows, details, sets=EMULATED, margin=0.05):
             pick = min(judged, key=judged.get)
             first = plans[0] if plans else None
             if pick not in (first, DGL) and (judged[pick] > (1 - margin) * judged[first]
-                                             or max(rounds[pick]) >= min(rounds[first])):
+                                             or judged[pick] >= min(rounds[first])):
                 pick = first
             if judged[pick] > (1 - margin) * judged[DGL]:
                 pick = DGL

@@ -100,7 +100,7 @@ def _decide(state, options, call):
     # each sampled block is new, so a candidate's first call on one is like its later calls;
     # but not on the GPU, where a plan's first call compiles its kernels
     warm = 0 if call.gi.is_block and not call.gi.gpu else 1
-    return Trial(cands, warm=warm, compiles=call.gi.gpu)
+    return Trial(cands, warm=warm)
 
 
 def within_memory(ranking, symbols, limit):

@@ -40,7 +40,8 @@ that two rounds slowed by other processes do not move a median):
 * ``granii-model``        a copy after ``granii(copy, g, x, tune=False)``: the cost model alone;
 * every promoted plan run directly (``bench.measure.plan_candidates``) with the implementations
   selection picks for it, with the other implementation of each step that has one, and with
-  those either granii copy settled on.
+  those either granii copy settled on; inside granii's allocator scope, as the dispatcher runs
+  a plan (DGL's layer runs as users run it, outside).
 
 Regret of a rule = time of the candidate it picks / time of the fastest candidate (every plan
 timed and DGL's layer). Rules: ``granii + tie-break`` (the plan or the original forward the
@@ -476,7 +477,7 @@ def measure_config(spec, g, model, k_in, k_out, training, cost_model, repeat=5, 
         mark = None if chosen[0] is None else (SimpleNamespace(index=_plan_index(st, chosen[0])),
                                                 chosen[1])
         for plan, impls, tag, _, fn in plan_candidates(plan_layer, g, x, training, cost_model,
-                                                       st, mark):
+                                                       st, mark, pooled=True):
             plans.setdefault(_key([plan], plan.index, impls), (plan, impls, tag, fn))
     for key, (plan, impls, tag, fn) in plans.items():
         fns[key] = Runner(fn, plan_layer.parameters(), out_grad, training)

@@ -63,9 +63,9 @@ processes held the cores are scored on the same timings (``alternative_models``)
 Writes ``times.csv`` (one row per candidate), ``regret.csv`` (one row per configuration) and
 ``report.md``. ``--quick``: three small graphs, two layers, two size pairs (a few minutes); the
 full run (nine graphs, four layers, three size pairs, both modes: 216 configurations) took
-17 minutes on a quiet 2-core machine. Run measurements under ``flock -x /tmp/granii-cpu.lock``. ``--calibrations``
-only ranks (no timing): which picks a contended calibration changes
-(``calibration_decisions.md``).
+15-17 minutes on a quiet 2-core machine. Run measurements under
+``flock -x /tmp/granii-cpu.lock``. ``--calibrations`` only ranks (no timing): which picks a
+contended calibration changes (``calibration_decisions.md``).
 """
 import argparse
 import copy

@@ -665,9 +665,9 @@ def settled(model):
 
 def _model_cell(run, model, fn, x, graph_arg, y, training):
     """``(median ms, first call s, tensors to compare, ms per call over the first 100, peak MiB,
-    settled calls' peak MiB)``: inference gives the output; training the first step's loss and the gradients of every
-    parameter (before Adam moves them), then steps go on from a copy of the parameters so each
-    variant starts from the same ones."""
+    settled calls' peak MiB)``: inference gives the output; training the first step's loss and
+    the gradients of every parameter (before Adam moves them), then steps go on from a copy of
+    the parameters so each variant starts from the same ones."""
     params = list(model.parameters())
     saved = [p.detach().clone() for p in params]
     if not training:

@@ -185,7 +185,7 @@ def price(plan, gi, symbols, model, training, input_grad, expected_calls, cachea
         scale = 1 / PASSES["add"][1] if step.prim == "add" and any(
             _is_row(plan, a) for a in step.args) else 1.0
         for impl in step_impls(step):
-            if not runs_on(impl, gi.gpu) or runs is not None and not runs(step.prim, impl):
+            if not runs_on(impl, gi.gpu) or runs is not None and not runs(impl):
                 continue
             prim, need = _priced_as(step, impl, needed)
             t = scale * step_seconds(model, prim, impl, gi, dims, _heads(plan), need) + extra

@@ -135,7 +135,7 @@ def step_impls(step, graph):
     """The kernel implementations of a plan step that run on the index graph ``graph`` (not
     DGL's; the GPU's on a graph on the GPU)."""
     from ..plan import step_impls as all_impls
-    return tuple(i for i in all_impls(step) if graph.runs(step.prim, i))
+    return tuple(i for i in all_impls(step) if graph.runs(i))
 
 
 def edge_grad(call):

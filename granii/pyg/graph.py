@@ -82,8 +82,8 @@ class IndexGraph:
         torch.cumsum(counts, 0, out=indptr[1:])
         return indptr, cols[eids], eids
 
-    def runs(self, prim, impl):
-        """Whether kernel ``impl`` of ``prim`` runs on this index graph: DGL's kernels need a
+    def runs(self, impl):
+        """Whether kernel implementation ``impl`` runs on this index graph: DGL's kernels need a
         DGL graph; a graph on the GPU runs the GPU's kernels (``granii.device``)."""
         return impl != "dgl" and runs_on(impl, is_gpu(self.device))
 

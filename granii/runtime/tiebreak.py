@@ -135,24 +135,24 @@ class Trial:
         whose untimed first call exceeds ``TRIAL_FIRST_DROP`` times another's fastest timed
         call and by ``TRIAL_FIRST_EXCESS`` seconds. On sampled blocks (no untimed call) a
         candidate leaves after its first call when that is over ``TRIAL_DROP_ONE`` times
-        another's: one time each, on blocks of their own, asks for the wider margin. Only the layer's
-        own forward leaves for its first call: a plan's first call does the plan's one-time work,
-        and its time says nothing of the later calls. Seen twice: on an H200, GAT's fused plan,
-        whose backward kernels compiled in its first training call, left the trial, and an
-        unfused plan 5x slower was kept; on the CPU, GIN's plan that keeps ``A X`` of fixed
-        features (1.76 ms for its first call, which computes it; 0.19 ms later) left it, and
-        a plan 1.4x slower was kept. A slow plan still leaves after its first timed call when
-        ``TRIAL_DROP_FAR`` times slower."""
+        another's: one time each, on blocks of their own, asks for the wider margin. Only the
+        layer's own forward leaves for its first call: a plan's first call does the plan's
+        one-time work, and its time says nothing of the later calls. Seen twice: on an H200,
+        GAT's fused plan, whose backward kernels compiled in its first training call, left the
+        trial, and an unfused plan 5x slower was kept; on the CPU, GIN's plan that keeps
+        ``A X`` of fixed features (1.76 ms for its first call, which computes it; 0.19 ms
+        later) left it, and a plan 1.4x slower was kept. A slow plan still leaves after its
+        first timed call when ``TRIAL_DROP_FAR`` times slower."""
         best = {c[0]: min(self.times[c[0]][self.warm:]) for c in self.candidates
                 if len(self.times.get(c[0], ())) > self.warm}
         if not best:
             return
         slow = []
         for c in self.candidates:
-            ts = self.times.get(c[0], ())
-            others = [t for label, t in best.items() if label != c[0]]
             if c[0] != ORIGINAL:
                 continue        # a plan's first call does its one-time work: no verdict
+            ts = self.times.get(c[0], ())
+            others = [t for label, t in best.items() if label != c[0]]
             if (len(ts) == 1 and others and ts[0] > TRIAL_FIRST_DROP * min(others)
                     and ts[0] - min(others) > TRIAL_FIRST_EXCESS):
                 slow.append(c)

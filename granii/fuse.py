@@ -17,6 +17,9 @@ unfused sequence, so fusing never removes a choice.
     GAT aggregation   spmm_weighted(dropout(softmax(leaky_relu(el_u + er_v))) [* w_e], Theta)
                           -> mask = dropout(ones); gat_aggregate(el, er, Theta, slope, mask [* w])
                       (``+ bias`` that follows is added as each output row is written)
+    edge scores       head_dot(edge_message(a, b, c, act), blockdiag(att))
+                          -> edge_message_score(a, b, c, act, att)
+                      (GATv2's per-head scores without the E x K messages)
 
 A chain fuses only when its inner results have no other use and run when the fused step runs.
 """
@@ -39,7 +42,10 @@ def fused_variants(plan):
     gat = fuse_gat(norm or plan)
     if gat is not None:
         out.append(gat)
-    shared = fuse_shared_gemm(gat or norm or plan)
+    scores = fuse_edge_scores(gat or norm or plan)
+    if scores is not None:
+        out.append(scores)
+    shared = fuse_shared_gemm(scores or gat or norm or plan)
     if shared is not None:
         out.append(shared)
     return out
@@ -315,6 +321,27 @@ def fuse_gat(plan):
         steps = [r for s in plan.steps if s.var not in gone for r in replaced.get(s.var, [s])]
         return _rebuild(plan, _epilogue(plan, steps), "g")
     return None
+
+
+def fuse_edge_scores(plan):
+    """Every per-head score of edge messages, ``head_dot(edge_message(a, b, c, act, slope),
+    blockdiag(att))`` whose messages nothing else reads, as one ``edge_message_score`` step
+    (GATv2's scores: the E x K messages are never stored)."""
+    by_var = {st.var: st for st in plan.steps}
+    uses = _uses(plan)
+    replaced, gone = {}, set()
+    for st in plan.steps:
+        msg = by_var.get(st.args[0]) if st.prim == "head_dot" and st.args else None
+        if msg is None or msg.prim != "edge_message" or len(uses.get(msg.var, ())) != 1 or \
+                msg.when != st.when:
+            continue
+        replaced[st.var] = replace(st, prim="edge_message_score", args=msg.args + (st.args[1],),
+                                   sig=("edge_message_score", False, msg.sig[2]))
+        gone.add(msg.var)
+    if not replaced:
+        return None
+    steps = [replaced.get(st.var, st) for st in plan.steps if st.var not in gone]
+    return _rebuild(plan, steps, "e")
 
 
 def _leaky_relu_slope(ref, step):

@@ -33,6 +33,16 @@ Edge values (attention):
     SparseEdges(e)         the sparse matrix with the pattern of ``A`` and values ``e``: a
                            sparse/weighted operand of a product (``heads`` values per edge)
 
+Edge messages (PyG's ``message`` of rows and edge features):
+
+    EdgeMessage(parts, sides, act)
+                           ``m_e = act(sum_i P_i[side_i(e)])`` for each edge ``e = u -> v``: ``src``
+                           reads row ``u``, ``dst`` row ``v``, ``edge`` row ``e`` of a matrix of
+                           one row per edge; E x k, a dense operand (GATv2's per-head score is
+                           the product ``M . blockdiag(a)``)
+    EdgeSum(m)             ``y_v = sum_{e -> v} m_e``: the messages summed over each
+                           destination's in-edges (GINE's ``sum relu(x_u + e_uv)``), N x k
+
 Nodes are immutable and hashable, so equal sub-expressions compare equal (used for CSE and for the
 keys of once-per-graph values). Shapes are symbols: ``N_src``, ``N_dst`` on a block (N_dst <= N_src:
 the destinations are a prefix of the sources), ``N`` for both on a graph, ``k_in``, ``k_out``, ``1``.
@@ -291,9 +301,52 @@ class SparseEdges:
         return f"A[{self.e}]"
 
 
+@cached_hash
+@dataclass(frozen=True)
+class EdgeMessage:
+    """``m_e = act(sum_i parts[i][sides[i](e)])`` per edge (see the module docstring); ``act``
+    is ``None``, ``"relu"`` or ``("leaky_relu", slope)``."""
+    kind = DENSE
+    sub = DATA
+    graph_only = False
+    rows = "E"
+    parts: tuple
+    sides: tuple
+    act: object = None
+
+    @property
+    def cols(self):
+        return self.parts[0].cols
+
+    def operand(self, side):
+        """The part read at ``side`` (``src``, ``dst``, ``edge``), or ``None``."""
+        return next((p for p, s in zip(self.parts, self.sides) if s == side), None)
+
+    def __str__(self):
+        terms = " + ".join(f"{p}[{s}]" for p, s in zip(self.parts, self.sides))
+        act = self.act if not isinstance(self.act, tuple) else f"{self.act[0]}({self.act[1]:g})"
+        return f"{act}({terms})" if act else f"({terms})"
+
+
+@cached_hash
+@dataclass(frozen=True)
+class EdgeSum(_Inner):
+    """``y_v = sum_{e -> v} m_e`` of edge messages ``m`` (N x k)."""
+    m: object
+    rows = "N"
+
+    @property
+    def cols(self):
+        return self.m.cols
+
+    def __str__(self):
+        return f"edge_sum({self.m})"
+
+
 _CHILDREN = {MatMul: ("args",), RowBroadcast: ("vec", "x"), Add: ("a", "b"), Apply: ("x",),
              Aggregate: ("x",), Store: ("x",), EdgeScore: ("a", "b"), EdgeSoftmax: ("e",),
-             EdgeScale: ("e", "w"), SparseEdges: ("e",), Cat: ("parts",)}
+             EdgeScale: ("e", "w"), SparseEdges: ("e",), Cat: ("parts",),
+             EdgeMessage: ("parts",), EdgeSum: ("m",)}
 
 
 def is_diag(m):
@@ -315,6 +368,8 @@ def with_children(node, new):
         return matmul(*new)
     if isinstance(node, Cat):
         return Cat(tuple(new))
+    if isinstance(node, EdgeMessage):
+        return replace(node, parts=tuple(new))
     fields = _CHILDREN[type(node)]
     return replace(node, **dict(zip(fields, new)))
 

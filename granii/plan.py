@@ -154,6 +154,10 @@ def lower(index, root, choice, scenarios=(), heads=None):
         if isinstance(n, ir.EdgeSoftmax):
             e = value(n.e)
             return emit(n, "edge_softmax", (e,), _when(ir_leaves(n)), str(n), signature(n))
+        if isinstance(n, ir.EdgeSum) and isinstance(n.m, ir.EdgeMessage):
+            return edge_message(n, "edge_message_sum", n.m)
+        if isinstance(n, ir.EdgeMessage):
+            return edge_message(n, "edge_message", n)
         if isinstance(n, ir.EdgeScale):
             e, w = value(n.e), value(n.w)
             return emit(n, "edge_scale", (e, w), EVERY, str(n))
@@ -188,6 +192,17 @@ def lower(index, root, choice, scenarios=(), heads=None):
             args = (names[n.parts[0]], names[n.parts[1]])
         sig = signature(n)
         return emit(n, sig[0] if sig else n.prim, args, when, str(n), sig, _inputs(lv))
+
+    def edge_message(n, prim, m):
+        """``prim(gi, src, dst, edge, act, slope)`` of the messages ``m`` (``ir.EdgeMessage``):
+        the operand read at each side (``None`` where none is), the activation by name and
+        the leaky ReLU's slope as constants of the generated code."""
+        operands = tuple(value(m.operand(side)) if m.operand(side) is not None else None
+                         for side in ("src", "dst", "edge"))
+        act, slope = m.act if isinstance(m.act, tuple) else (m.act, 0.0)
+        lv = ir_leaves(n)
+        return emit(n, prim, operands + (repr(act), repr(float(slope))), _when(lv), str(n),
+                    signature(n), _inputs(lv))
 
     def edge_values(adj):
         """The edge-value argument of a sparse operand: ``None`` for ``A``, else a variable."""

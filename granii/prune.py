@@ -4,7 +4,7 @@ Each tree is a multiset of primitive calls; a call's *signature* is its primitiv
 once per graph, and the symbolic sizes of its operands:
 
     gemm / head_gemm (m, k, n)   spmm / spmm_weighted / spmm_heads (E, k)   row_scale (n, k)
-    sddmm_scale (E,)   diag_mul (n,)
+    sddmm_scale (E,)   diag_mul (n,)   edge_message / edge_message_sum (E, k)
 
 Two embedding-size scenarios are considered, ``k_in >= k_out`` and ``k_in < k_out``; in both
 ``N_dst <= N_src`` (a block's destinations are a prefix of its sources). Tree ``T`` is pruned in a
@@ -41,6 +41,10 @@ def signature(node):
         return "edge_softmax", False, ("E",)
     if isinstance(node, ir.Aggregate):
         return node.prim, False, ("E", node.cols)
+    if isinstance(node, ir.EdgeSum):
+        return "edge_message_sum", False, ("E", node.cols)
+    if isinstance(node, ir.EdgeMessage):
+        return "edge_message", False, ("E", node.cols)
     if not hasattr(node, "parts"):
         return None
     if node.prim in ("gemm", "head_gemm"):

@@ -10,13 +10,17 @@ order of the graph it belongs to (``base`` with the self loops ``ev.graph.how`` 
                        masked
     product            ``const * w * prod deg_i[side_i]``
 
+An ``EdgeAttr`` (edge features E x k) is computed by ``edge_features``: the rows of the edges that
+are not loops, then (``remaining``) one row per node, ``fill`` or the mean / sum of the rows of
+its in-edges kept (``scatter(edge_attr, edge_index[1], reduce=fill)``, as ``add_self_loops``).
+
 Values that read no argument depend on the graph alone: they are computed once per graph (no
 gradient) and kept in its ``GraphInfo`` cache.
 """
 import torch
 
 from .graph import derived, graph_info, loops_added
-from .values import EdgeVal
+from .values import EdgeAttr, EdgeVal
 
 
 def _weight(w_spec, base, values):
@@ -54,8 +58,29 @@ def _degree(vec, base, values, dtype):
     return deg
 
 
+def edge_features(spec, base, values):
+    """The edge features of ``spec`` (an ``EdgeAttr``) per edge of its graph (see above)."""
+    attr = values[spec.arg]
+    kept = base.src != base.dst
+    rows = attr[kept]
+    if spec.how == "removed":
+        return rows
+    if isinstance(spec.fill, float):
+        fill = attr.new_full((base.n, attr.shape[1]), spec.fill)
+    else:
+        dst = base.dst[kept]
+        fill = attr.new_zeros((base.n, attr.shape[1])).index_add(0, dst, rows)
+        if spec.fill == "mean":
+            count = torch.bincount(dst, minlength=base.n).clamp(min=1)
+            fill = fill / count.to(fill.dtype).unsqueeze(1)
+    return torch.cat([rows, fill])
+
+
 def edge_values(ev, base, values, dtype=torch.float32):
-    """The values of ``ev`` (an ``EdgeVal``) per edge of its graph, shape (E,)."""
+    """The values of ``ev`` (an ``EdgeVal``) per edge of its graph, shape (E,); of an
+    ``EdgeAttr``, its features (E x k)."""
+    if isinstance(ev, EdgeAttr):
+        return edge_features(ev, base, values)
     if not _reads_argument(ev):
         gi = graph_info(derived(base, ev.graph.how))
         key = ("pyg_values", ev.key(), dtype)
@@ -77,4 +102,4 @@ def _compute(ev, base, values, dtype):
     return out
 
 
-__all__ = ["edge_values", "EdgeVal"]
+__all__ = ["edge_features", "edge_values", "EdgeVal"]

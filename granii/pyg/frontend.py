@@ -5,7 +5,10 @@ as rules, not a table of layer classes:
 
     forward(x, edge_index, edge_weight=None, ...)   ``x`` is the features ``H`` (N x k_in),
                                                     ``edge_index`` the graph, a 1-D tensor of one
-                                                    value per edge an edge-value argument
+                                                    value per edge an edge-value argument, an
+                                                    E x k tensor edge features (``edge_attr``: a
+                                                    leaf of ``E`` rows; the plan holds while its
+                                                    width is, or is not, the features')
     add_self_loops / add_remaining_self_loops       the graph with a self loop on every node
                                                     (``graph.derived``), edge values carried
     degree(index) / scatter(w, index, reduce='sum') per-node (weighted) edge counts
@@ -33,6 +36,18 @@ as rules, not a table of layer classes:
                                                     attention values, one per edge and head
     alpha.unsqueeze(-1) * x_j                       messages weighted per edge and head: the
                                                     sparse operand ``A[alpha]`` of the heads
+    x_j + edge_attr, x_i + x_j (N x H x F rows),    per-edge features ``act(sum_i P_i[side_i])``
+    .relu(), F.relu, F.leaky_relu(., slope)         (``values.EdgeFeat``): the IR's ``EdgeMessage``
+    message returning edge features                 summed (or averaged) over each target's
+                                                    in-edges: ``EdgeSum`` (GINEConv)
+    (edge features * self.att).sum(-1)              per-head scores ``EdgeMessage . blockdiag(a)``;
+                                                    ``softmax`` of them as of ``alpha`` (GATv2Conv)
+    remove_self_loops / add_self_loops(edge_attr,   the edge features carried to the graph with
+        fill_value)                                 one loop per node (``values.EdgeAttr``: the
+                                                    kept edges' rows, then a number, or the mean /
+                                                    sum of each node's in-edges' rows)
+    a and b / a or b                                as Python: the first operand that decides
+    x_j.size(-1) != edge_attr.size(-1)              widths as size symbols (``values.Width``)
     out.view(-1, H * C) / out.mean(dim=1)           heads side by side, or their mean (a pure
                                                     function of each row)
 
@@ -47,10 +62,10 @@ The messages ``c * w_e * prod_i d_i[side_i(e)] * x_j`` aggregate to a product of
     max:  amax(A, X)                         (plain ``x_j`` messages only; ``kernels.py``)
 
 Every propagate of a layer must run on one graph (the same self loops). Anything else raises
-``FrontendError`` naming the construct (LSTM or multi aggregations, messages of ``x_i``, an MLP
-over message features, edge dropout in training, edge feature vectors (``edge_dim``), GATv2's
-per-edge ``leaky_relu(x_i + x_j)``, ``return_attention_weights``, ...): the layer's own forward
-then runs.
+``FrontendError`` naming the construct (LSTM or multi aggregations, messages of ``x_i`` times
+values, an MLP over message features, a max of edge-feature messages, edge dropout in training,
+GATConv's scores of edge features added to its SDDMM, ``return_attention_weights``, ...): the
+layer's own forward then runs.
 
 Attention dropout draws as PyG draws it: one ``F.dropout`` on the (E', heads) values, E' in
 PyG's edge order (the input's edges without loops, then one loop per node: the order of the
@@ -72,12 +87,12 @@ from ..runtime.state import is_pyg_layer
 from . import kernels  # noqa: F401  (registers spmm_amax)
 from ..frontend import LayerIR, _check_complete
 from ..frontend import rules, udf
-from ..frontend.interp import Interpreter, forward_ast
+from ..frontend.interp import _SYMBOLIC, Interpreter, forward_ast, source_segment
 from ..frontend.ops import apply, linear
 from ..frontend.values import FrontendError, GraphCondition, Method, RaisesForConfig, Tensor
 from ..frontend.values import Degrees
-from .values import (PYG_VALUES, Attention, DegVec, EdgeCount, EdgeVal, EdgeW, Gathered,
-                     Message, NodeIndex, PygGraph)
+from .values import (PYG_VALUES, Attention, DegVec, EdgeAttr, EdgeCount, EdgeFeat, EdgeVal,
+                     EdgeW, Gathered, Message, NodeIndex, PygGraph, Width)
 
 __all__ = ["PygIR", "lower_pyg", "is_pyg_layer", "FrontendError"]
 
@@ -110,18 +125,24 @@ def lower_pyg(module, values, kind):
     num_edges = values[gname].shape[1] if kind != "adj_t" else values[gname]._nnz()
     bound = {func_def.args.args[0].arg: module, gname: graph,
              feat: Tensor(ir.Leaf("H", "N", "k_in", ir.DENSE, ir.DATA, ("arg", feat)))}
-    present = set()
+    present, edge_feats = set(), []
     for name in params[2:]:
         v = values.get(name)
         if isinstance(v, torch.Tensor):
             if v.dim() in (1, 2) and v.shape[0] == num_edges and v.numel() == num_edges \
                     and kind != "adj_t":
                 bound[name] = EdgeVal(graph, EdgeW(name))
-                present.add(name)
+            elif v.dim() == 2 and v.shape[0] == num_edges and kind != "adj_t":
+                same = v.shape[1] == values[feat].shape[-1]
+                bound[name] = Tensor(ir.Leaf(name, "E", "k_in" if same else "k_edge", ir.DENSE,
+                                             ir.DATA, ("arg", name)))
+                edge_feats.append((f"{name}.shape[-1] == {feat}.shape[-1]", sorted({name, feat}),
+                                   same))
             else:
                 raise FrontendError(f"tensor argument '{name}' of shape {tuple(v.shape)}",
-                                    "only one value per edge (edge_weight) is lowered; edge "
-                                    "feature vectors (edge_dim) are not in the IR")
+                                    "only one value or one feature vector per edge (edge_weight, "
+                                    "edge_attr) of an edge_index is lowered")
+            present.add(name)
         else:
             bound[name] = v
     if values.get("return_attention_weights") is not None:
@@ -129,6 +150,10 @@ def lower_pyg(module, values, kind):
         raise FrontendError("return_attention_weights", "the plans never materialise the "
                             "attention values per edge (the fused kernel keeps them per row)")
     interp = PygInterpreter(module, func_def, globals_, src, values, kind)
+    interp.spec.extend(edge_feats)      # a plan holds while the edge features' width does
+    for name in params[2:]:
+        if isinstance(bound.get(name), Tensor):
+            interp.edge_how[bound[name].node] = None
     try:
         out = interp.run(bound)
         if not isinstance(out, Tensor):
@@ -158,6 +183,7 @@ class PygInterpreter(Interpreter):
         self.how = _UNSET                 # self loops of the graph the propagates run on
         self.edge_values = {}
         self.head_means = set()           # Apply nodes of a mean over heads (N x C, not H C)
+        self.edge_how = {}                # edge feature leaf -> the self loops of its graph
 
     def _narrowed(self, n):
         """``n`` is a mean over heads, or a sum whose left operand is one."""
@@ -165,11 +191,68 @@ class PygInterpreter(Interpreter):
             n = n.a
         return n in self.head_means
 
+    def edge_graph_how(self, node, e):
+        """The self loops of the graph whose edges the rows of ``node`` (E x k) belong to."""
+        hows = {self.edge_how[leaf] for leaf in ir.leaves(node) if leaf in self.edge_how}
+        if len(hows) != 1:
+            self.fail(e, "a tensor of one row per edge", "not computed from one edge feature "
+                      "argument")
+        return hows.pop()
+
+    def is_edge_rows(self, v):
+        return isinstance(v, Tensor) and v.node.rows == "E"
+
+    def edge_feat_sum(self, a, b, e):
+        """``a + b`` of per-edge features, node rows gathered at the edges (``x_j``, ``x_i``) and
+        tensors of one row per edge: an ``EdgeFeat`` on the graph of the gathered rows."""
+        terms = []
+        for v in (a, b):
+            if isinstance(v, EdgeFeat):
+                if v.act is not None:
+                    self.fail(e, "a sum of activated edge features", "not lowered")
+                terms.append(v)
+            elif isinstance(v, Gathered):
+                terms.append(EdgeFeat(v.graph, ((v.x.node, v.side),), v.x.ndim))
+            else:
+                terms.append(None)
+        graph = next(t.graph for t in terms if t is not None)
+        parts = []
+        for v, t in zip((a, b), terms):
+            if t is not None:
+                if t.graph is not graph:
+                    self.fail(e, "a sum of edge features of two graphs", "not lowered")
+                parts += t.parts
+                continue
+            if self.edge_graph_how(v.node, e) != graph.how:
+                self.fail(e, "edge features of a graph with other self loops than the "
+                          "propagation's", "not lowered")
+            parts.append((v.node, "edge"))
+        return EdgeFeat(graph, tuple(parts), max(t.ndim if t is not None else v.ndim
+                                                 for v, t in zip((a, b), terms)))
+
+    def expr_BoolOp(self, e):
+        """``a and b`` / ``a or b`` as Python evaluates them: a known operand that decides is
+        the value and the operands after it are not read (``self.lin is None and
+        x_j.size(-1) != edge_attr.size(-1)``); after a symbolic one, a condition."""
+        symbolic = False
+        for v in e.values:
+            val = self.eval(v)
+            if isinstance(val, _SYMBOLIC) or isinstance(val, PYG_VALUES):
+                symbolic = True
+            elif not symbolic and (not val if isinstance(e.op, ast.And) else val):
+                return val
+        if symbolic:
+            return GraphCondition(source_segment(self.src, e) or "condition")
+        return val
+
     # -- expressions ---------------------------------------------------------------------------
     def call(self, func, args, kwargs, e):
         rule = _pyg_rule(self, func, args, kwargs)
         if rule is not None:
             return _call_rule(self, rule, func, args, kwargs, e)
+        if isinstance(func, Method) and func.name == "size" and self.is_edge_rows(func.obj) \
+                and list(args) in ([-1], [func.obj.ndim - 1]) and not kwargs:
+            return Width(func.obj.node.cols)
         if isinstance(func, Method) and isinstance(func.obj, Tensor) and func.obj.ndim == 3 \
                 and self.heads and func.name in ("view", "reshape", "mean"):
             return self.merge_heads(func.obj, func.name, args, kwargs, e)
@@ -212,6 +295,19 @@ class PygInterpreter(Interpreter):
             fixed = dataclasses.replace(b.node, rows="1", cols=cols)
             self.leaves[fixed.name] = fixed
             return Tensor(ir.Add(a.node, fixed), 2)
+        if isinstance(op, ast.Add) and any(isinstance(v, (Gathered, EdgeFeat)) for v in (a, b)) \
+                and all(isinstance(v, (Gathered, EdgeFeat)) or self.is_edge_rows(v)
+                        for v in (a, b)) and not (isinstance(a, Gathered) and
+                                                  isinstance(b, Gathered)):
+            return self.edge_feat_sum(a, b, node)
+        if isinstance(op, ast.Mult) and isinstance(a, EdgeFeat) and isinstance(b, Tensor):
+            return rules.binop(self, "Mult", Tensor(a.node(), a.ndim), b, node)
+        if isinstance(op, ast.Mult) and isinstance(b, EdgeFeat) and isinstance(a, Tensor):
+            return rules.binop(self, "Mult", a, Tensor(b.node(), b.ndim), node)
+        if isinstance(a, Attention) and self.is_edge_rows(b) or \
+                isinstance(b, Attention) and self.is_edge_rows(a):
+            self.fail(node, "attention scores plus scores of edge features (edge_attr with "
+                      "edge_dim)", "a sum of an SDDMM and per-edge scores is not in the IR")
         if isinstance(a, PYG_VALUES) or isinstance(b, PYG_VALUES):
             try:
                 return super().binop(op, a, b, node)
@@ -308,6 +404,8 @@ def _pyg_rule(it, func, args, kwargs):
         return "dropout"
     if args and isinstance(args[0], Attention) and udf.pure_ref(func, args, kwargs):
         return "attention_function"            # F.leaky_relu(alpha, self.negative_slope)
+    if args and isinstance(args[0], EdgeFeat):
+        return "edge_feature_function"         # F.leaky_relu(x_i + x_j, self.negative_slope)
     mod = getattr(func, "__module__", "") or ""
     if mod.startswith("torch_geometric") and getattr(func, "__name__", None) in _UTILS:
         return func.__name__
@@ -326,6 +424,8 @@ def _call_rule(it, rule, func, args, kwargs, node):
     if rule == "attention_function":
         ref = udf.pure_ref(func, args, kwargs)
         return Attention(args[0].graph, apply(it, ref[0], args[0].node, ref[1], pure=True))
+    if rule == "edge_feature_function":
+        return _edge_activation(it, func, args, kwargs, node)
     if rule == "linear_of_edges":
         it.fail(node, f"{_attr_of(it, func)}(edge_attr): a Linear of edge attributes "
                 "(edge_dim)", "edge feature vectors are not in the IR (its edge values are one "
@@ -343,6 +443,18 @@ def _call_rule(it, rule, func, args, kwargs, node):
                     "once before granii")
         return linear(it, func, args[0], node)
     return _UTILS[rule](it, args, kwargs, node)
+
+
+def _edge_activation(it, func, args, kwargs, node):
+    """ReLU or leaky ReLU (constant slope) of per-edge features: the messages' activation."""
+    ref = udf.pure_ref(func, args, kwargs)
+    slope = udf.leaky_relu_slope(ref[1]) if ref else None
+    if slope is not None:
+        return args[0].activated(("leaky_relu", slope))
+    if ref and ref[1] in (("function", torch.relu), ("function", torch.nn.functional.relu)):
+        return args[0].activated("relu")
+    it.fail(node, f"{getattr(func, '__name__', func)} of per-edge features", "only relu and "
+            "leaky_relu are lowered")
 
 
 def _graph_isinstance(g, cls):
@@ -374,6 +486,10 @@ def _loops(how):
         name = "add_self_loops" if how == "add" else "add_remaining_self_loops"
         if not isinstance(g, PygGraph):
             it.fail(node, f"{name} of a graph that is not the call's", "not lowered")
+        if isinstance(attr, Tensor) and g.how == "removed" and how == "add":
+            # remove_self_loops, then add_self_loops of edge features (GATv2's edge_attr)
+            new = PygGraph(g.kind, "remaining")
+            return new, _edge_features(it, attr, new, _fill(it, fill, node), node)
         if g.how == "removed" and attr is None:
             # remove_self_loops, then add_self_loops (GATConv): every edge that is not a loop,
             # in order, then one loop per node: the graph add_remaining_self_loops makes
@@ -404,10 +520,48 @@ def _remove_loops(it, args, kwargs, node):
     g, attr = a["edge_index"], a["edge_attr"]
     if not isinstance(g, PygGraph) or g.how is not None:
         it.fail(node, "remove_self_loops of a graph that is not the call's", "not lowered")
+    if isinstance(attr, Tensor) and g.kind != "adj_t":
+        new = PygGraph(g.kind, "removed")
+        return new, _edge_features(it, attr, new, None, node)
     if attr is not None:
         it.fail(node, "remove_self_loops of edge values", "only of the graph alone (GATConv "
                 "reads its edge_attr only with edge_dim, which is not lowered)")
     return PygGraph(g.kind, "removed"), None
+
+
+def _fill(it, fill, node):
+    """``fill_value`` of self loops' edge features: a number, or the reduction of each node's
+    in-edges' features PyG names ('mean', 'add'/'sum')."""
+    if fill is None:
+        return 1.0
+    if isinstance(fill, (int, float)) and not isinstance(fill, bool):
+        return float(fill)
+    if fill in ("mean", "add", "sum"):
+        return fill
+    it.fail(node, f"add_self_loops of edge features with fill_value={fill!r}", "only a number, "
+            "'mean', 'add' or 'sum' is lowered")
+
+
+def _edge_features(it, attr, graph, fill, node):
+    """The edge feature argument ``attr`` (E x k) carried to ``graph`` (self loops removed, then
+    one loop per node with ``fill``): a leaf computed at each call (``bind.edge_features``)."""
+    leaf = attr.node
+    arg = None
+    if isinstance(leaf, ir.Leaf) and leaf.rows == "E" and leaf.source[0] == "arg":
+        arg = leaf.source[1]
+    elif isinstance(leaf, ir.Leaf) and leaf.source[0] == "edge" and \
+            isinstance(it.edge_values.get(leaf.source[1]), EdgeAttr):
+        arg = it.edge_values[leaf.source[1]].arg         # self loops removed, now added
+    if arg is None:
+        it.fail(node, "self loops of computed edge features", "only of an edge feature "
+                "argument")
+    spec = EdgeAttr(arg, graph.how, fill)
+    key = f"{spec.arg}_{graph.how}" + (f"_{fill}" if graph.how == "remaining" else "")
+    key = key.replace(".", "_").replace("-", "m")
+    it.edge_values[key] = spec
+    new = it.leaf(key, "E", leaf.cols, ir.DENSE, ir.DATA, ("edge", key))
+    it.edge_how[new] = graph.how
+    return Tensor(new, 2)
 
 
 def _softmax(it, args, kwargs, node):
@@ -418,6 +572,8 @@ def _softmax(it, args, kwargs, node):
     a = _args(("src", "index", "ptr", "num_nodes", "dim"), args, kwargs,
               {"index": None, "ptr": None, "num_nodes": None, "dim": 0})
     src, index = a["src"], a["index"]
+    if it.is_edge_rows(src) and isinstance(index, NodeIndex) and src.ndim == 2:
+        src = Attention(index.graph, src.node)     # scores of edge features (GATv2's)
     if not isinstance(src, Attention):
         it.fail(node, "softmax of values that are not attention scores of edges", "not lowered")
     if not isinstance(index, NodeIndex) or index.side != "dst" or \
@@ -676,6 +832,11 @@ def _message(it, g, kwargs, node):
     args = _collect(it, fn, g, kwargs, node)
     it.udfs.append(f"message function '{type(mod).__name__}.message'")
     msg = it.call_user(fn, [], args, "message", node)
+    if isinstance(msg, EdgeFeat):
+        if msg.graph.how != g.how or msg.ndim != 2:
+            it.fail(node, "messages of per-edge features of another graph or split in heads",
+                    "not lowered")
+        return msg
     if isinstance(msg, Gathered):
         msg = Message(None, msg)
     if not isinstance(msg, Message):
@@ -701,6 +862,8 @@ def aggregate(it, msg, node):
     if kind is None:
         it.fail(node, f"aggregation {aggr} (aggr={getattr(mod, 'aggr', None)!r})",
                 "only sum, mean and max aggregations are lowered")
+    if isinstance(msg, EdgeFeat):
+        return _edge_aggregate(it, msg, kind, node)
     x = msg.x.x.node
     coef = msg.coef
     if isinstance(coef, Attention):
@@ -725,6 +888,16 @@ def aggregate(it, msg, node):
     out = ir.matmul(*factors, x)
     if c != 1:
         out = ir.Apply(f"mul({c:g})", out, ("scale", c), True, 0)
+    return Tensor(out, 2)
+
+
+def _edge_aggregate(it, msg, kind, node):
+    """Sum (or mean) over each destination's in-edges of per-edge features: ``EdgeSum``."""
+    if kind == "max":
+        it.fail(node, "max of per-edge feature messages", "only sum and mean are lowered")
+    out = ir.EdgeSum(msg.node())
+    if kind == "mean":
+        out = ir.matmul(Degrees("in", -1.0, 1.0).leaf("N"), out)
     return Tensor(out, 2)
 
 

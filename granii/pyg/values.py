@@ -9,12 +9,21 @@ raises ``FrontendError`` naming the construct.
     PygGraph          ``edge_index``, maybe with self loops added (``how``: "add", "remaining")
     NodeIndex         ``edge_index[0]`` (the sources, ``side="src"``) or ``edge_index[1]`` ("dst")
     EdgeCount         ``edge_index.size(1)``
+    EdgeAttr          an edge feature argument carried through ``remove_self_loops`` /
+                      ``add_self_loops`` (what binding computes for that graph's edges)
     EdgeVal           a value per edge: ``const * w_e * prod_i vec_i[side_i(e)]``, ``w`` the
                       forward's edge-weight argument (``EdgeW``) or none (ones)
     DegVec            ``scatter(w, index, reduce='sum')`` / ``degree(index)``: the (weighted)
                       count of edges per node on one side, raised to ``power``, with ``inf``
                       replaced by 0 when ``masked`` (``deg_inv_sqrt.masked_fill_(... == inf, 0)``)
     Gathered          ``x_j`` (rows of ``x`` at each edge's source) or ``x_i`` (at its target)
+    EdgeFeat          per-edge feature vectors ``act(sum_i P_i[side_i(e)])`` of node rows
+                      (``x_j``, ``x_i``) and edge features (a tensor of one row per edge,
+                      ``edge_attr`` or ``lin(edge_attr)``), ``act`` ReLU or leaky ReLU: the IR's
+                      ``EdgeMessage`` (GINE's ``(x_j + edge_attr).relu()``, GATv2's
+                      ``leaky_relu(x_i + x_j [+ edge_attr])``)
+    Width             ``x_j.size(-1)`` / ``edge_attr.size(-1)``: a width symbol; two are equal
+                      when they are one symbol (both are checked at every call)
     Attention         per-edge, per-head values computed from node features (an IR edge node:
                       ``alpha_j + alpha_i`` is ``EdgeScore``, then ``leaky_relu``, ``softmax``
                       over each target's in-edges, dropout), as an ``edge_update`` makes them
@@ -127,6 +136,20 @@ class EdgeW:
 
     def key(self):
         return f"{self.arg}" + (f"|{self.how}:{self.fill:g}" if self.how else "")
+
+
+@dataclass(frozen=True)
+class EdgeAttr:
+    """The edge feature argument ``arg`` (E x k) on the graph with self loops ``how``:
+    ``"removed"`` (the rows of the edges that are not loops), ``"remaining"`` (those, then one row
+    per node: ``fill``, a number or the mean / sum of the node's remaining in-edges' rows, as
+    ``add_self_loops`` fills them)."""
+    arg: str
+    how: str
+    fill: object = None
+
+    def key(self):
+        return f"attr:{self.arg}|{self.how}:{self.fill}"
 
 
 @dataclass(eq=False)
@@ -256,19 +279,27 @@ class Gathered:
 
     def __add__(self, other):
         """``alpha_j + alpha_i``: per-edge scores ``e_uv = a_u + b_v`` (an SDDMM), of one value
-        per edge and head (``a``, ``b`` N x H)."""
+        per edge and head (``a``, ``b`` N x H); of per-head feature vectors (N x H x F, GATv2's
+        ``x_i + x_j``), per-edge features (``EdgeFeat``)."""
         from .. import ir
         if not isinstance(other, Gathered) or other.side == self.side or \
                 self.graph is None or other.graph is not self.graph:
             fail("a sum of gathered rows", "only alpha_j + alpha_i of one graph is lowered")
         src, dst = (self, other) if self.side == "src" else (other, self)
+        if src.x.ndim == 3 and dst.x.ndim == 3:
+            return EdgeFeat(self.graph, ((self.x.node, self.side), (other.x.node, other.side)),
+                            3)
         if src.x.ndim != 2 or dst.x.ndim != 2:
-            fail("x_i + x_j of per-head feature vectors (GATv2's attention)",
-                 "per-edge features are not in the IR: its edge values are one number per "
-                 "edge and head")
+            fail("x_i + x_j of rows of different shapes", "not lowered")
         return Attention(self.graph, ir.EdgeScore(src.x.node, dst.x.node))
 
     __radd__ = __add__
+
+    def size(self, dim=None):
+        if dim in (-1, self.x.ndim - 1):
+            return Width(self.x.node.cols)
+        fail(f"x_{'j' if self.side == 'src' else 'i'}.size({dim!r})", "only the width, "
+             "size(-1), is lowered")
 
     def __mul__(self, other):
         if isinstance(other, Attention):
@@ -281,6 +312,51 @@ class Gathered:
              f"{type(other).__name__}", "only per-edge values times x_j are lowered")
 
     __rmul__ = __mul__
+
+
+@dataclass(eq=False)
+class EdgeFeat:
+    """``act(sum_i node_i[side_i(e)])`` per edge of ``graph``: ``parts`` are ``(IR node,
+    side)`` with side ``src`` / ``dst`` (N-row matrices read at each edge's source / target) or
+    ``edge`` (a matrix of one row per edge); ``ndim`` 3 when split in heads."""
+    graph: PygGraph
+    parts: tuple
+    ndim: int = 2
+    act: object = None
+
+    view = reshape = to = float = contiguous = _same
+
+    def relu(self):
+        return self.activated("relu")
+
+    def activated(self, act):
+        if self.act is not None:
+            fail("an activation of activated edge features", "only one activation is lowered")
+        return dataclasses.replace(self, act=act)
+
+    def node(self):
+        """The IR's ``EdgeMessage`` of these features."""
+        from .. import ir
+        nodes, sides = zip(*self.parts)
+        if len(set(sides)) != len(sides):
+            fail("edge features of two terms read at one side", "not lowered")
+        return ir.EdgeMessage(nodes, sides, self.act)
+
+
+@dataclass(frozen=True)
+class Width:
+    """The width (a size symbol) of per-edge or gathered features, ``x.size(-1)``."""
+    sym: str
+
+    def __eq__(self, other):
+        if isinstance(other, Width) and other.sym == self.sym:
+            return True
+        fail("a comparison of feature widths", "only of widths known to be equal is lowered")
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    __hash__ = object.__hash__
 
 
 @dataclass(eq=False)
@@ -323,6 +399,6 @@ class Message:
 
 
 PYG_VALUES = (PygGraph, NodeIndex, EdgeCount, EdgeVal, DegVec, InfMask, Gathered, Attention,
-              Message)
+              Message, EdgeFeat, Width)
 
-__all__ = [c.__name__ for c in PYG_VALUES] + ["EdgeW", "field"]
+__all__ = [c.__name__ for c in PYG_VALUES] + ["EdgeAttr", "EdgeW", "field"]

@@ -46,8 +46,11 @@ class AnalyticalCost:
     # (scripts/bench_kernels.py on this machine): DGL's u_mul_e_sum is several times slower than
     # its copy_u_sum and than torch's CSR product; torch's CSR product is a little slower than
     # DGL's copy_u_sum.
+    # torch's edge messages write the E x k messages M and read them back (a gather per
+    # operand, then the sum or the product): about three times the native pass's traffic
     impl_factor: tuple = (("spmm_weighted", "dgl", 6.0), ("spmm", "torch_csr", 1.2),
-                          ("spmm_mean", "torch_csr", 1.2))
+                          ("spmm_mean", "torch_csr", 1.2), ("edge_message_sum", "torch", 3.0),
+                          ("edge_message_score", "torch", 3.0))
 
     def predict(self, prim, impl, gi, dims):
         factor = next((f for p, i, f in self.impl_factor if p == prim and i == impl), 1.0)
@@ -58,6 +61,11 @@ class AnalyticalCost:
         if prim == "gemm":
             m, k, n = dims["m"], dims["k"], dims["n"]
             t = 2 * m * k * n / self.flop_rate + FLOAT * (m * k + k * n + m * n) / self.stream_rate
+        elif prim.startswith("edge_message"):
+            # a gathered row and a row of edge features per edge; n rows written
+            n, k = dims["n"], dims["k"]
+            t = (FLOAT * E * k / self.gather_rate + FLOAT * E * k / self.stream_rate
+                 + FLOAT * n * k / self.stream_rate + 8 * E / self.stream_rate)
         elif prim.startswith("spmm"):
             n, k = dims["n"], dims["k"]
             t = FLOAT * E * k / self.gather_rate + FLOAT * n * k / self.stream_rate + 8 * E / self.stream_rate
@@ -82,8 +90,10 @@ def concrete_dims(sig, symbols):
     vals = [s if isinstance(s, (int, float)) else size_value(s, symbols) for s in sizes]
     if prim in ("gemm", "head_dot", "head_gemm"):
         return {"m": vals[0], "k": vals[1], "n": vals[2]}
-    if prim.startswith("spmm"):
+    if prim.startswith("spmm") or prim in ("edge_message_sum", "edge_message_score"):
         return {"n": symbols.get("N_dst", symbols.get("N")), "k": vals[1]}
+    if prim == "edge_message":                     # one row per edge
+        return {"n": vals[0], "k": vals[1]}
     if prim in ("row_scale", "add", "cat", "row_slice"):
         return {"n": vals[0], "k": vals[1]}
     if prim == "diag_mul":

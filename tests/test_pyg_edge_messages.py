@@ -306,3 +306,27 @@ def test_granii_falls_back_for_an_unsupported_variant_with_the_reason():
     torch.testing.assert_close(layer(x, ei, ea), original(x, ei, ea))
     ran = what_ran(layer)["GINEConv"]
     assert ran.kind == "fallback" and "max of per-edge feature messages" in ran.reason
+
+
+@pytest.mark.skipif(not em.AVAILABLE, reason="the native edge-message kernels are not built")
+def test_edge_messages_priced_by_their_traffic():
+    """torch's edge messages write the E x k messages and read them back: the analytical model
+    prices them at three times the native pass, so the plan picked without timing runs GINE's
+    aggregation and GATv2's scores natively."""
+    import re
+    from granii import granii
+    gi = graph_info(index_graph(_graph("directed"), 14))
+    dims = {"n": 14, "k": 6}
+    for prim in ("edge_message_sum", "edge_message_score"):
+        native, torch_ = (AnalyticalCost().predict(prim, impl, gi, dims)
+                          for impl in ("native", "torch"))
+        assert native < torch_ < 3.01 * native
+    torch.manual_seed(0)
+    model = GINE2()
+    x, ei = torch.randn(30, 6), torch.randint(0, 27, (2, 120))
+    granii(model, x, ei, torch.randn(120, 3), cost_model=AnalyticalCost(), tune=False)
+    shown = granii.explain(model)
+    # the chosen plans' steps ("t3  edge_message_sum  native  every call ...")
+    steps = re.findall(r"^\s+t\d+\s+(edge_message\w*)\s+(\w+)\s", shown, re.M)
+    assert {prim for prim, _ in steps} == {"edge_message_sum", "edge_message_score"}, shown
+    assert all(impl == "native" for _, impl in steps), steps

@@ -273,7 +273,7 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
         wrapped.append(layer)
     # relational layers (RelGraphConv, HGTConv, HeteroGraphConv): their own dispatchers,
     # granii/hetero_conv.py (DGL's layers: without DGL loaded the model holds none)
-    if "dgl" in sys.modules:
+    if "dgl" in sys.modules and _relational(model):
         from . import hetero_conv
         for layer in wrapped:
             if hetero_conv.dispatcher_class(layer) is not Dispatcher:
@@ -293,6 +293,13 @@ def granii(model, graph, feats, cost_model=None, expected_calls=EXPECTED_CALLS, 
                            "left unchanged" + _order_hint(model))
             raise
     return model
+
+
+def _relational(model):
+    """Whether ``model`` holds one of DGL's relational layers (their module, imported only
+    then, is a few milliseconds of a first call)."""
+    from dgl.nn.pytorch import HeteroGraphConv, HGTConv, RelGraphConv
+    return any(isinstance(m, (HeteroGraphConv, HGTConv, RelGraphConv)) for m in model.modules())
 
 
 def _checked_cost_model(cost_model):

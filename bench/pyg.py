@@ -1,10 +1,13 @@
 """PyG layers: granii against PyTorch Geometric's eager forward, single layers.
 
     python -m bench.pyg [--calls 20] [--graphs cora,pubmed,github-social] [--quick]
+                        [--layers GINEConv,GATv2Conv,...] [--out results/pyg]
 
 For each real graph of ``data/`` (read as PyG's ``edge_index``, both directions, no self loops),
 each supported layer (GCNConv, SAGEConv mean and max, GINConv with a 2-layer MLP, SGConv K=2,
-APPNP K=10, GraphConv) and each mode (inference: ``eval()`` and ``no_grad``; training: forward
+APPNP K=10, GraphConv; with ``--layers``, also those taking edge features or attention:
+GATConv and GATv2Conv with 4 heads of 16, GINEConv, GATv2Conv with 8-wide edge features, whose
+``edge_attr`` (E x width, random, one per graph) is passed on every call) and each mode (inference: ``eval()`` and ``no_grad``; training: forward
 and backward of a random projection of the output; APPNP, which has no parameters, backward to
 its features), two copies of one layer with the same
 weights run ``--calls`` calls on new random features each call (64 -> 64):
@@ -70,14 +73,33 @@ def layers():
     }
 
 
-def _step(layer, x, ei, training, proj):
-    out = layer(x, ei)
+def more_layers():
+    """Layers ``--layers`` may name besides ``layers()``'s: attention and edge features."""
+    from torch_geometric import nn as gnn
+
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(K, K), torch.nn.ReLU(), torch.nn.Linear(K, K))
+    return {
+        "GATConv-h4": lambda: gnn.GATConv(K, K // 4, heads=4),
+        "GATv2Conv-h4": lambda: gnn.GATv2Conv(K, K // 4, heads=4),
+        "GINEConv": lambda: gnn.GINEConv(mlp()),
+        "GATv2Conv-h4-edge8": lambda: gnn.GATv2Conv(K, K // 4, heads=4, edge_dim=EDGE_DIM),
+    }
+
+
+EDGE_DIM = 8
+# the width of the edge features a layer's call takes (GINEConv's are as wide as x)
+EDGE_FEATS = {"GINEConv": K, "GATv2Conv-h4-edge8": EDGE_DIM}
+
+
+def _step(layer, x, ei, training, proj, extra=()):
+    out = layer(x, ei, *extra)
     if training:
         (out * proj).sum().backward()
     return out.detach()
 
 
-def run_one(make, ei, n, training, calls, seed=0):
+def run_one(make, ei, n, training, calls, seed=0, edge_width=None):
     from granii import granii
     from granii.api import what_ran
     torch.manual_seed(seed)
@@ -88,6 +110,7 @@ def run_one(make, ei, n, training, calls, seed=0):
     grad_x = training and not any(True for _ in ref.parameters())
     xs = [torch.randn(n, K, generator=gen).requires_grad_(grad_x) for _ in range(calls)]
     proj = torch.randn(n, K, generator=gen)
+    extra = () if edge_width is None else (torch.randn(ei.shape[1], edge_width, generator=gen),)
     for m in (ref, opt):
         m.train(training)
     ctx = torch.enable_grad if training else torch.no_grad
@@ -95,15 +118,15 @@ def run_one(make, ei, n, training, calls, seed=0):
     with ctx():
         for x in xs:
             t = time.perf_counter()
-            outs.append(_step(ref, x, ei, training, proj))
+            outs.append(_step(ref, x, ei, training, proj, extra))
             t_pyg.append(time.perf_counter() - t)
         t = time.perf_counter()
-        granii(opt, xs[0], ei)
+        granii(opt, xs[0], ei, *extra)
         setup = time.perf_counter() - t
         diff = 0.0
         for x, want in zip(xs, outs):
             t = time.perf_counter()
-            got = _step(opt, x, ei, training, proj)
+            got = _step(opt, x, ei, training, proj, extra)
             t_granii.append(time.perf_counter() - t)
             diff = max(diff, (got - want).abs().max().item())
     ran = next(iter(what_ran(opt).values()))
@@ -121,7 +144,15 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--graphs", default="cora,pubmed,github-social")
     ap.add_argument("--quick", action="store_true", help="cora only, 6 calls")
+    ap.add_argument("--layers", help="comma-separated layer names (default: layers())")
+    ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
+    known = {**layers(), **more_layers()}
+    names = args.layers.split(",") if args.layers else list(layers())
+    unknown = [nm for nm in names if nm not in known]
+    if unknown:
+        ap.error(f"unknown layers {unknown}: choose from {sorted(known)}")
+    out = Path(args.out)
     torch.set_num_threads(2)
     warnings.simplefilter("ignore")
     graphs = ["cora"] if args.quick else args.graphs.split(",")
@@ -129,18 +160,19 @@ def main(argv=None):
     rows = []
     for gname in graphs:
         ei, n = edge_index_of(gname)
-        for lname, make in layers().items():
+        for lname in names:
             for training in (False, True):
-                r = run_one(make, ei, n, training, calls)
+                r = run_one(known[lname], ei, n, training, calls,
+                            edge_width=EDGE_FEATS.get(lname))
                 row = {"graph": gname, "N": n, "E": ei.shape[1], "layer": lname,
                        "mode": "training" if training else "inference", "calls": calls, **r}
                 rows.append(row)
                 print(f"{gname:14s} {lname:14s} {row['mode']:9s} total x{r['speedup_total']:5.2f}"
                       f"  steady x{r['speedup_steady']:5.2f}  ({r['ran']}, diff "
                       f"{r['max_abs_diff']:.1e})", flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    write_csv(OUT / "pyg.csv", rows)
-    write_markdown(OUT / "pyg.md", rows, " ".join(["python -m bench.pyg"] + (argv or sys.argv[1:])))
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "pyg.csv", rows)
+    write_markdown(out / "pyg.md", rows, " ".join(["python -m bench.pyg"] + (argv or sys.argv[1:])))
     return rows
 
 

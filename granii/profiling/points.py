@@ -99,13 +99,18 @@ def quick_config():
 
 def full_config():
     """An hour or more on two cores: the full corpus up to 4 M edges, sizes 16..1024, both phases,
-    a GEMM grid of 6 x 6 x 6; contended points waited for and measured again once."""
+    a GEMM grid of 6 x 9 x 9 (``k`` and ``n`` at 64 too: without it the models interpolated from
+    32 to 128 and priced a 12,000 x 256 x 64 product at 2.2 ms where it takes 2.6, and one of
+    32 columns at 1.1 ms where it takes 1.6; and at 4 and 8, the widths of attention heads'
+    scores ``H (W a)``, which trees cannot extrapolate to: a 2,500 x 64 x 4 product was priced
+    as one of 16 columns, 23 us, where it takes 33); contended points waited for and measured
+    again once."""
     names = [n for n, _ in gen.corpus("full")]
     names = [n for n in names if _approx_edges(n) <= 4e6]
     return Config("full", graphs=names, ks=[16, 32, 128, 256, 1024],
                   heads=[1, 4, 8], gat_f=[8, 64], blocks_every=3,
                   gemm_m=[int(m) for m in np.geomspace(300, 1e6, 6).round(-1)],
-                  gemm_kn=[16, 32, 128, 256, 1024, 100],
+                  gemm_kn=[4, 8, 16, 32, 64, 128, 256, 1024, 100],
                   row_n=[int(m) for m in np.geomspace(300, 3e6, 6).round(-1)],
                   row_k=[16, 64, 256, 1024],
                   warmup=1, repeat=5, repeat_fast=9, budget=0.5, max_call=0.4, max_wait=0.5,

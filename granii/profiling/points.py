@@ -100,8 +100,8 @@ def quick_config():
 def full_config():
     """An hour or more on two cores: the full corpus up to 4 M edges, sizes 16..1024, both phases,
     a GEMM grid of 6 x 9 x 9 (``k`` and ``n`` at 64 too: without it the models interpolated from
-    32 to 128 and priced a 12,000 x 256 x 64 product at 2.2 ms where it takes 2.6, and one of
-    32 columns at 1.1 ms where it takes 1.6; and at 4 and 8, the widths of attention heads'
+    32 to 128 and priced a 12,000 x 256 x 64 product at 2.2 ms where it takes 2.5, and one of
+    32 columns at 1.1 ms where it takes 1.4; and at 4 and 8, the widths of attention heads'
     scores ``H (W a)``, which trees cannot extrapolate to: a 2,500 x 64 x 4 product was priced
     as one of 16 columns, 23 us, where it takes 33); contended points waited for and measured
     again once."""

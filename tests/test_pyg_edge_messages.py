@@ -18,6 +18,7 @@ from granii.kernels import edge_message as em  # noqa: E402
 from granii.pyg import FrontendError  # noqa: E402
 from granii.pyg.graph import index_graph  # noqa: E402
 from test_pyg_frontend import _graph, check_every_plan  # noqa: E402
+from test_pyg_gat import _refused  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*native kernels.*")
 warnings.filterwarnings("ignore", message=".*Sparse invariant checks.*")
@@ -276,12 +277,6 @@ def test_granii_runs_gine_and_gatv2_by_plans(capsys):
 
 
 # -- what still runs PyG's forward ----------------------------------------------------------------
-def _refused(layer, *args, **kwargs):
-    with pytest.raises(FrontendError) as e:
-        pyg.prepare(layer, *args, **kwargs)
-    return str(e.value)
-
-
 def test_unsupported_variants_are_named():
     x, ei = torch.randn(14, 6), _graph("directed")
     ea = _edge_attr(ei, 3, grad=False)

@@ -195,6 +195,11 @@ LAYERS = {
     "sage_sum": lambda: pyg_nn.SAGEConv(6, 5, aggr="sum"),
     "sage_max": lambda: pyg_nn.SAGEConv(6, 5, aggr="max"),
     "sage_noroot": lambda: pyg_nn.SAGEConv(6, 5, root_weight=False),
+    "sage_normalize": lambda: pyg_nn.SAGEConv(6, 5, normalize=True),
+    "sage_project": lambda: pyg_nn.SAGEConv(6, 5, project=True),
+    "sage_project_max_normalize": lambda: pyg_nn.SAGEConv(6, 5, aggr="max", project=True,
+                                                          normalize=True),
+    "tagconv": lambda: pyg_nn.TAGConv(6, 5, K=3),
     "gin": lambda: pyg_nn.GINConv(_mlp(6, 5)),
     "gin_eps": lambda: pyg_nn.GINConv(_mlp(6, 5), eps=0.3, train_eps=True),
     "sgconv": lambda: pyg_nn.SGConv(6, 5, K=2),
@@ -522,3 +527,17 @@ def test_granii_runs_a_pyg_model_once():
     assert {st.name for st in layer_states(model)} == {"conv1", "conv2", "spare"}
     ran = what_ran(model)
     assert ran["conv1"].kind == ran["conv2"].kind == "plan" and ran["spare"] is None
+
+
+def test_a_function_over_a_dimension_lowers_only_within_rows():
+    """``F.normalize(out, dim=-1)`` (SAGEConv's ``normalize``) is a pure function of each row;
+    over the rows (``dim=0``) or a softmax without a dim it is not, and is not lowered."""
+    import torch.nn.functional as F
+    from granii import ir
+    from granii.frontend import udf
+    from granii.frontend.values import Tensor
+    t = Tensor(ir.Leaf("H", "N", "k_in", ir.DENSE, ir.DATA, ("arg", "x")), 2)
+    assert udf.pure_ref(F.normalize, (t,), {"p": 2.0, "dim": -1}) is not None
+    assert udf.pure_ref(F.normalize, (t,), {}) is not None           # dim=1 of a matrix
+    assert udf.pure_ref(F.normalize, (t,), {"dim": 0}) is None
+    assert udf.pure_ref(F.softmax, (t,), {}) is None

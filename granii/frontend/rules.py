@@ -543,6 +543,9 @@ def call_method(it, m, args, kwargs, node):
             return obj
         if name == "dim":
             return obj.ndim
+        if name in _PURE_METHODS and not args and not kwargs:      # x.relu(): torch.relu(x)
+            func = getattr(torch, name)
+            return Tensor(apply(it, name, obj.node, ("function", func), pure=True), obj.ndim)
         if name in ("view", "reshape"):
             return tensor_view(it, obj, args, node)
         if name == "unsqueeze" and args and args[0] == -1:
@@ -572,6 +575,10 @@ def call_method(it, m, args, kwargs, node):
         if name == "update":
             return frame_set(obj, None, args[0], it)
     fail(node, f".{name}() on {type(obj).__name__}", "not lowered")
+
+
+# tensor methods that are the pure function of ``torch`` of the same name (``ops.PURE_FUNCTIONS``)
+_PURE_METHODS = ("relu", "tanh", "sigmoid", "exp", "abs", "square", "neg")
 
 
 def _is_param(n):

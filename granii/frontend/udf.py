@@ -581,7 +581,8 @@ def pure_ref(func, args, kwargs):
     """``(label, ref)`` of ``func`` applied to its first argument, the others constants, when
     ``func`` is a known pure function; else ``None``. Equal calls give equal refs however they
     are spelled: ``F.leaky_relu(x, 0.2)``, ``F.leaky_relu(x, negative_slope=0.2)``."""
-    if not ops._known_pure(func) or func in _ACROSS_ROWS or not args:
+    if not ops._known_pure(func) or not args or func in _ACROSS_ROWS and \
+            not _within_rows(func, args, kwargs):
         return None
     rest = list(args[1:]) + list(kwargs.values())
     if not all(isinstance(v, (int, float, bool, str, type(None))) for v in rest):
@@ -650,6 +651,19 @@ def leaky_relu_slope(ref):
 
 
 _ACROSS_ROWS = (_F.normalize, _F.softmax, _F.log_softmax)   # a dim argument may span rows
+
+
+def _within_rows(func, args, kwargs):
+    """Whether ``func`` (one of ``_ACROSS_ROWS``) reads each row of its 2-D first argument alone:
+    its ``dim`` is the last (``F.normalize(out, p=2., dim=-1)``, SAGEConv's ``normalize``), so
+    the call is a pure function of each row."""
+    try:
+        bound = inspect.signature(func).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    bound.apply_defaults()
+    dim = bound.arguments.get("dim")
+    return getattr(args[0], "ndim", None) == 2 and type(dim) is int and dim in (-1, 1)
 
 
 def _holds_udf(a):

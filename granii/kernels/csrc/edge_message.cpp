@@ -94,6 +94,27 @@ int64_t grain(int64_t rows, int64_t nnz, int64_t K) {
   return num_parts(0, rows, nnz, K) == 1 ? std::max<int64_t>(rows, 1) : 1;
 }
 
+// The gradient of a (summed per source): the walk over A^T (rows are sources, indices
+// destinations), so each thread writes its own rows of da. For each edge e = u -> v,
+// add(du, p, v, e) adds the edge's term to da[u], p holding its pre-activation p_e.
+template <typename T, typename I, typename Add>
+void source_grad(const Operands<T, I>& op, const at::Tensor& t_indptr, const at::Tensor& t_indices,
+                 int64_t nnz, T* pda, Add add) {
+  const int64_t t_rows = t_indptr.numel() - 1, K = op.K;
+  const I* ip = t_indptr.data_ptr<I>();
+  const I* ix = t_indices.data_ptr<I>();
+  at::parallel_for(0, t_rows, grain(t_rows, nnz, K), [&](int64_t r0, int64_t r1) {
+    std::vector<T> p(K);
+    for (int64_t u = r0; u < r1; ++u) {
+      for (int64_t j = ip[u]; j < ip[u + 1]; ++j) {
+        const int64_t v = ix[j], e = op.edge(j);
+        op.pre(u, v, e, p.data());
+        add(pda + u * K, p.data(), v, e);
+      }
+    }
+  });
+}
+
 // ---- edge_message_sum ---------------------------------------------------------------------------
 at::Tensor edge_message_sum(const at::Tensor& indptr, const at::Tensor& indices, const OptT& eids,
                             const OptT& a, const OptT& b, const OptT& c, int64_t act, double slope,
@@ -172,23 +193,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> edge_message_sum_backward(
           }
         });
       }
-      if (need_a) {                    // over A^T: rows are sources, indices destinations
-        const int64_t t_rows = t_indptr.numel() - 1;
-        const index_t* ip = t_indptr.data_ptr<index_t>();
-        const index_t* ix = t_indices.data_ptr<index_t>();
+      if (need_a) {
         const Operands<T, index_t> op{pa, pb, pc, eids_or_null<index_t>(t_eids), K};
-        T* pda = da.data_ptr<T>();
-        at::parallel_for(0, t_rows, grain(t_rows, nnz, K), [&](int64_t r0, int64_t r1) {
-          std::vector<T> p(K);
-          for (int64_t u = r0; u < r1; ++u) {
-            T* du = pda + u * K;
-            for (int64_t j = ip[u]; j < ip[u + 1]; ++j) {
-              const int64_t v = ix[j];
-              op.pre(u, v, op.edge(j), p.data());
-              for (int64_t k = 0; k < K; ++k) du[k] += g[v * K + k] * act_grad(p[k], act, s);
-            }
-          }
-        });
+        source_grad(op, t_indptr, t_indices, nnz, da.data_ptr<T>(),
+                    [&](T* du, const T* p, int64_t v, int64_t) {
+                      for (int64_t k = 0; k < K; ++k) du[k] += g[v * K + k] * act_grad(p[k], act, s);
+                    });
       }
     });
   });
@@ -299,29 +309,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> edge_message_score_ba
             for (int64_t k = 0; k < K; ++k) out[k] += partial[q * K + k];
         }
       }
-      if (need_a) {                           // over A^T: rows are sources
-        const int64_t t_rows = t_indptr.numel() - 1;
-        const index_t* ip = t_indptr.data_ptr<index_t>();
-        const index_t* ix = t_indices.data_ptr<index_t>();
+      if (need_a) {
         const Operands<T, index_t> op{pa, pb, pc, eids_or_null<index_t>(t_eids), K};
-        T* pda = da.data_ptr<T>();
-        at::parallel_for(0, t_rows, grain(t_rows, nnz, K), [&](int64_t r0, int64_t r1) {
-          std::vector<T> p(K);
-          for (int64_t u = r0; u < r1; ++u) {
-            T* du = pda + u * K;
-            for (int64_t j = ip[u]; j < ip[u + 1]; ++j) {
-              const int64_t e = op.edge(j);
-              op.pre(u, ix[j], e, p.data());
-              for (int64_t h = 0; h < H; ++h) {
-                const T ge = g[e * H + h];
-                for (int64_t f = 0; f < F; ++f) {
-                  const int64_t k = h * F + f;
-                  du[k] += ge * w[k] * act_grad(p[k], act, s);
-                }
-              }
-            }
-          }
-        });
+        source_grad(op, t_indptr, t_indices, nnz, da.data_ptr<T>(),
+                    [&](T* du, const T* p, int64_t, int64_t e) {
+                      for (int64_t h = 0; h < H; ++h) {
+                        const T ge = g[e * H + h];
+                        for (int64_t f = 0; f < F; ++f) {
+                          const int64_t k = h * F + f;
+                          du[k] += ge * w[k] * act_grad(p[k], act, s);
+                        }
+                      }
+                    });
       }
     });
   });

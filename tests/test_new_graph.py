@@ -387,3 +387,36 @@ def test_memory_stays_flat_over_many_new_graphs():
     assert len(st.decisions) < 20 and len(st.fast) < 20
     assert len(st.verified) <= reuse._VERIFIED_KEPT
     assert st.ranked <= 3
+
+
+def test_a_readout_turn_is_timed_with_the_batchs_segments_made(monkeypatch):
+    """The readout of the model's input is the first readout on each new batch: the batch's
+    segments, which every later readout on it reads, are made before its measured turns start
+    the clock, in the plans' turns and in DGL's, so the turns compare the readouts alone (the
+    plan's turns paid for them, and DGL's readout won the trial)."""
+    from dgl.nn import SumPooling
+    layer = SumPooling()
+    granii(layer, dgl.batch([new_graph(0, n=20, e=60)] * 8), torch.randn(160, K))
+    seen, in_turn = [], [False]
+    real_run, real_turn = dispatch._run, dispatch._trial_call
+
+    def run(state, dkey, label, fn, order, call, *rest):
+        if in_turn[0]:
+            seen.append((label, "readout_csr" in call.gi.cache))
+        return real_run(state, dkey, label, fn, order, call, *rest)
+
+    def turn(*args):
+        in_turn[0] = True
+        try:
+            return real_turn(*args)
+        finally:
+            in_turn[0] = False
+    monkeypatch.setattr(dispatch, "_run", run)
+    monkeypatch.setattr(dispatch, "_trial_call", turn)
+    for i in range(12):
+        g = dgl.batch([new_graph(i + 1, n=20, e=60)] * 8)
+        x = torch.randn(g.num_nodes(), K)
+        torch.testing.assert_close(layer(g, x), SumPooling()(g, x))
+    labels = {label for label, _ in seen}
+    assert "original forward" in labels and len(labels) >= 2, seen     # turns were measured
+    assert all(made for _, made in seen), seen

@@ -19,7 +19,7 @@ from granii.kernels import native
 from granii.kernels.registry import register
 
 
-def _segments(gi):
+def segments(gi):
     """``(counts, csr)`` of ``gi``'s batch (``GraphInfo.segments``); ``csr``: ``R``'s row
     pointers and column indices for the native SpMM (int32; the indices a view of one shared
     ``0, 1, 2, ...``), ``None`` without it; kept while the batch's counts are the same."""
@@ -75,7 +75,7 @@ def _graph_of_node(gi, counts):
 
 
 def _readout(gi, x, mean):
-    counts, csr = _segments(gi)
+    counts, csr = segments(gi)
     g = counts.numel()
     flat = x.reshape(x.shape[0], -1)
     scale = counts.to(x.dtype).clamp(min=1).reciprocal() if mean else None

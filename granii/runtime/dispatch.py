@@ -13,7 +13,8 @@ import torch.utils.checkpoint
 
 from ..device import (free_cached_memory, is_out_of_memory, rng_state, set_rng_state,
                       synchronize)
-from ..kernels import native, pool
+from .. import ir
+from ..kernels import native, pool, readout
 from ..plan import REUSE
 from .bind import _UserError, _call_shape, prepare, recompute_key
 from .decide import _describe, decide, decision_key
@@ -265,7 +266,7 @@ def _trial_call(state, per_graph, dkey, trial, call, layer, args, kwargs):
     label, fn, order = trial.next()[:3]
     scale = _trial_scale(trial, call)
     call, args, kwargs = _own_gradients(call, args, kwargs)
-    _shared_backward_index(call, layer)
+    _shared_graph_work(call, layer)
     gpu = call.gi.gpu
     rng = rng_state(gpu) if fn is None else None
     synchronize(gpu)
@@ -334,15 +335,29 @@ def _own_gradients(call, args, kwargs):
     return call, tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
 
 
-def _shared_backward_index(call, layer):
-    """Before a measured turn in training, the native index of ``A^T`` of a whole graph: every
-    layer's backward on the graph reads it, and whichever call builds it first pays for it. On
-    a new graph each step (graph classification) that was the turn of the last layer in the
-    backward, or of a forward that reads it, so a turn's time depended on what the other layers
-    had run before it."""
-    if (layer.training and torch.is_grad_enabled() and not call.gi.is_block
-            and native.available() and not call.gi.gpu):
-        native.csr_index(call.gi, "at")
+def _shared_graph_work(call, layer):
+    """Before a measured turn, the structures of a whole graph that every layer's calls on it
+    read, whichever call builds them first paying for them: the native index of ``A^T``, which
+    every backward on the graph reads, in training; a batch's segments (``readout.segments``),
+    which every readout on it reads. On a new graph each step (graph classification) the first
+    layer in the backward, or the first readout after the model's input, paid for them, so a
+    turn's time depended on what the other layers had run before it: the readout of the input
+    features measured DGL's readout faster than granii's, which then paid the segments in the
+    next readout instead."""
+    gi = call.gi
+    if gi.is_block or gi.gpu:
+        return
+    if layer.training and torch.is_grad_enabled() and native.available():
+        native.csr_index(gi, "at")
+    if _reads_batch(call.compiled.layer_ir.root):
+        readout.segments(gi)
+
+
+def _reads_batch(root):
+    """Whether the layer IR ``root`` holds a readout (one row per graph of a batch)."""
+    if isinstance(root, ir.Aggregate) and root.out_rows is not None:
+        return True
+    return any(_reads_batch(c) for c in ir.children(root))
 
 
 def dispatcher_of(module):

@@ -251,10 +251,13 @@ class GraphInfo:
         self.memo("in_deg", lambda: in_deg)
 
     def segments(self):
-        """``(counts, offsets)`` of the graphs of a batch (``dgl.batch``): node counts (int64)
-        and their running sums from 0 (``G + 1``, int64). A graph that is no batch is one
-        segment. Read from the graph at each call (``set_batch_num_nodes`` changes them, not
-        the structure); the offsets are kept while the counts are the same tensor, unchanged."""
+        """``(counts, offsets, offsets32, graph_of_node)`` of the graphs of a batch
+        (``dgl.batch``): node counts (int64), their running sums from 0 (``G + 1``, int64) and
+        the same as int32, and the graph of each node (``N``, int64); the last two ``None``
+        where the native kernels are not loaded (or the graph lives on a GPU). A graph that is
+        no batch is one segment. Read from the graph at each call (``set_batch_num_nodes``
+        changes them, not the structure); kept while the counts are the same tensor,
+        unchanged. One native pass (``batch_segments``) makes all of them."""
         g = self.g
         counts = g.batch_num_nodes() if hasattr(g, "batch_num_nodes") else None
         hit = self.cache.get("segments")
@@ -264,12 +267,20 @@ class GraphInfo:
         given = counts
         counts = torch.tensor([self.num_src], device=self.device) if counts is None \
             else counts.long()
-        offsets = torch.zeros(counts.numel() + 1, dtype=torch.long, device=counts.device)
-        torch.cumsum(counts, 0, out=offsets[1:])
-        if int(offsets[-1]) != self.num_src:
-            raise ValueError(f"granii: the batch's node counts add up to {int(offsets[-1])}, "
-                             f"the graph has {self.num_src} nodes")
-        value = (counts, offsets)
+        value = None
+        if not self.gpu and counts.device.type == "cpu" and self.num_src < 2 ** 31 \
+                and _native_loaded():
+            try:
+                value = (counts, *torch.ops.granii.batch_segments(counts, self.num_src))
+            except RuntimeError:        # counts that do not add up: the check below says so
+                value = None
+        if value is None:
+            offsets = torch.zeros(counts.numel() + 1, dtype=torch.long, device=counts.device)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            if int(offsets[-1]) != self.num_src:
+                raise ValueError(f"granii: the batch's node counts add up to "
+                                 f"{int(offsets[-1])}, the graph has {self.num_src} nodes")
+            value = (counts, offsets, None, None)
         if given is not None:
             self.cache["segments"] = (given, given._version, value)
         return value

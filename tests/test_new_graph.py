@@ -402,7 +402,7 @@ def test_a_readout_turn_is_timed_with_the_batchs_segments_made(monkeypatch):
 
     def run(state, dkey, label, fn, order, call, *rest):
         if in_turn[0]:
-            seen.append((label, "readout_csr" in call.gi.cache))
+            seen.append((label, "segments" in call.gi.cache))
         return real_run(state, dkey, label, fn, order, call, *rest)
 
     def turn(*args):

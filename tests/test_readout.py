@@ -102,6 +102,30 @@ def test_readout_kernel_gradient_is_the_transpose():
         assert torch.autograd.gradcheck(lambda t: fn(gi, t), (x,))
 
 
+@pytest.mark.skipif(not native.available(), reason="native kernels not built")
+def test_batch_segments_are_the_running_sums_and_the_graph_of_each_node():
+    """``GraphInfo.segments`` by ``batch_segments``, graphs without nodes included, against
+    ``cumsum`` and ``repeat_interleave``; counts that do not add up to the graph's nodes are the
+    user's error, said as before; the readout's backward reads the graph of each node without
+    the graph, which may be gone by then."""
+    from granii.graph import graph_info
+    from granii.kernels.readout import readout_sum
+    g = batch(7, sizes=(0, 3, 0, 5, 2, 0))
+    counts, offsets, offsets32, of = graph_info(g).segments()
+    want = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)])
+    assert torch.equal(offsets, want) and torch.equal(offsets32, want.int())
+    assert torch.equal(of, torch.repeat_interleave(torch.arange(6), counts))
+    g.set_batch_num_nodes(torch.tensor([2, 2, 2, 2, 2, 2]))
+    with pytest.raises(ValueError, match="add up to 12, the graph has 10 nodes"):
+        graph_info(g).segments()
+    g = batch(8)
+    x = torch.randn(g.num_nodes(), 3, requires_grad=True)
+    y = readout_sum(graph_info(g), x)
+    del g
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
 @pytest.mark.parametrize("make, why", [
     (MaxPooling, "max_nodes"),
 ])

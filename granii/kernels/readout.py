@@ -20,18 +20,14 @@ from granii.kernels.registry import register
 
 
 def segments(gi):
-    """``(counts, csr)`` of ``gi``'s batch (``GraphInfo.segments``); ``csr``: ``R``'s row
-    pointers and column indices for the native SpMM (int32; the indices a view of one shared
-    ``0, 1, 2, ...``), ``None`` without it; kept while the batch's counts are the same."""
-    counts, offsets = gi.segments()
-    hit = gi.cache.get("readout_csr")
-    if hit is None or hit[0] is not counts:
-        n = int(offsets[-1])
-        csr = None
-        if native.available() and n < 2 ** 31:
-            csr = (offsets.to(torch.int32), _iota(n))
-        hit = gi.cache["readout_csr"] = (counts, csr)
-    return counts, hit[1]
+    """``(counts, csr, graph_of_node)`` of ``gi``'s batch (``GraphInfo.segments``): ``csr``
+    ``R``'s row pointers and column indices for the native SpMM (int32; the indices a view of
+    one shared ``0, 1, 2, ...``), ``None`` without it; ``graph_of_node`` ``None`` where the
+    segments did not come with it (``_graph_of_node`` makes it)."""
+    counts, offsets, offsets32, graph_of_node = gi.segments()
+    if offsets32 is None:
+        return counts, None, None
+    return counts, (offsets32, _iota(gi.num_src)), graph_of_node
 
 
 _IOTA = [torch.arange(0, dtype=torch.int32)]
@@ -67,6 +63,9 @@ class _SegmentSum(torch.autograd.Function):
 def _graph_of_node(gi, counts):
     """The graph of each node of ``gi``'s batch (``R^T`` as an index: ``R^T dY = dY[graph]``),
     once per batch: the readouts after every layer of a model share it."""
+    made = gi.cache.get("segments")          # the graph itself may be gone in a backward
+    if made is not None and made[2][0] is counts and made[2][3] is not None:
+        return made[2][3]
     hit = gi.cache.get("readout_graph_of_node")
     if hit is None or hit[0] is not counts:
         hit = gi.cache["readout_graph_of_node"] = (
@@ -75,7 +74,7 @@ def _graph_of_node(gi, counts):
 
 
 def _readout(gi, x, mean):
-    counts, csr = segments(gi)
+    counts, csr, _ = segments(gi)
     g = counts.numel()
     flat = x.reshape(x.shape[0], -1)
     scale = counts.to(x.dtype).clamp(min=1).reciprocal() if mean else None

@@ -20,6 +20,13 @@
 //       standard deviation of the in-degrees. One counting sort: what a new graph object (a
 //       `dgl.batch` each step) needs before any kernel runs, where building it from DGL's index
 //       costs an index build, a cast and a second pass.
+//   granii::batch_segments(counts, num_nodes) -> (offsets, offsets32, graph_of_node)
+//       The segments of a batch of graphs from its node counts (int64, one per graph): their
+//       running sums from 0 (G + 1 entries, int64, and the same as int32, the row pointers of
+//       the readout's CSR R), and the graph of each node (N entries, int64: R^T as an index).
+//       Checks that the counts are non-negative and add up to num_nodes. One pass, where the
+//       same in torch ops (zeros, cumsum, a cast, a sum read back, repeat_interleave) costs a
+//       readout on a batch of small graphs more than its sum.
 #include "native.h"
 
 #include <torch/library.h>
@@ -224,6 +231,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                                  num_dst, opts, name);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_segments(const at::Tensor& counts,
+                                                              int64_t num_nodes) {
+  const char* name = "granii::batch_segments";
+  TORCH_CHECK(counts.dim() == 1, name, ": counts must be 1-D, one per graph");
+  TORCH_CHECK(num_nodes >= 0 && num_nodes < (int64_t{1} << 31), name,
+              ": num_nodes must be in [0, 2^31)");
+  const at::Tensor c = counts.to(at::kLong).contiguous();
+  const int64_t g = c.numel();
+  const int64_t* cp = c.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < g; ++b) {
+    TORCH_CHECK(cp[b] >= 0, name, ": the node count of graph ", b, " is negative (", cp[b], ")");
+    total += cp[b];
+  }
+  TORCH_CHECK(total == num_nodes, name, ": the batch's node counts add up to ", total,
+              ", the graph has ", num_nodes, " nodes");
+  const auto opts = c.options();
+  at::Tensor off = at::empty({g + 1}, opts), off32 = at::empty({g + 1}, opts.dtype(at::kInt));
+  at::Tensor of = at::empty({num_nodes}, opts);
+  int64_t* o = off.data_ptr<int64_t>();
+  int32_t* o32 = off32.data_ptr<int32_t>();
+  int64_t* gp = of.data_ptr<int64_t>();
+  o[0] = 0;
+  o32[0] = 0;
+  for (int64_t b = 0; b < g; ++b) {
+    o[b + 1] = o[b] + cp[b];
+    o32[b + 1] = static_cast<int32_t>(o[b + 1]);
+    std::fill(gp + o[b], gp + o[b + 1], b);
+  }
+  return {off, off32, of};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(granii, m) {
@@ -233,12 +272,14 @@ TORCH_LIBRARY_FRAGMENT(granii, m) {
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("coo_to_csr(Tensor src, Tensor dst, int num_src, int num_dst, bool small) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("batch_segments(Tensor counts, int num_nodes) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(granii, CPU, m) {
   m.impl("csr_transpose", &csr_transpose);
   m.impl("csr_narrow", &csr_narrow);
   m.impl("coo_to_csr", &coo_to_csr);
+  m.impl("batch_segments", &batch_segments);
 }
 
 }  // namespace granii

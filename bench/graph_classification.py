@@ -253,7 +253,7 @@ def steady_steps(data, train_idx, rng, models, steps):
     return {k: round(float(np.median(v)) * 1e3, 3) for k, v in times.items()}
 
 
-def run_one(name, epochs, seed=0):
+def run_one(name, epochs, seed=0, steady_count=200):
     """Train and evaluate both copies, a whole epoch of one (its training steps, then its
     evaluation passes) before the same epoch of the other, which of them goes first turning
     each epoch: a dict of the figures."""
@@ -311,7 +311,7 @@ def run_one(name, epochs, seed=0):
     per_epoch = steps / max(epochs, 1)
     states = layer_states(models["granii"])
     steady = steady_steps(data, train_idx, rng, dict(models, skeleton=skeleton(models["dgl"])),
-                          200)
+                          steady_count)
     return {
         "dataset": name, "graphs": len(data), "epochs": epochs, "train_steps": steps,
         "eval_batches": eval_batches,

@@ -420,3 +420,15 @@ def test_a_readout_turn_is_timed_with_the_batchs_segments_made(monkeypatch):
     labels = {label for label, _ in seen}
     assert "original forward" in labels and len(labels) >= 2, seen     # turns were measured
     assert all(made for _, made in seen), seen
+
+
+def test_the_graph_classification_bench_runs_both_models_on_the_same_batches():
+    """``bench.graph_classification``'s run of one data set: both copies trained and evaluated,
+    epoch by epoch in turns, on the same batches (their first epoch's losses agree up to float
+    re-association), granii's copy on its plans, and the steady steps of each model timed."""
+    from bench.graph_classification import run_one
+    row = run_one("mutag", 2, steady_count=20)
+    assert row["train_steps"] == 4 and row["eval_batches"] == 6
+    assert float(row["first_epoch_loss_rel_diff"]) < 1e-4
+    assert row["class_reused"] > 0 and row["rankings"] > 0
+    assert all(row[k] > 0 for k in ("steady_dgl_ms", "steady_granii_ms", "steady_skeleton_ms"))

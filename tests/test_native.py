@@ -726,3 +726,30 @@ def test_coo_to_csr_counts_the_edge_list_and_rejects_edges_outside_the_graph(ord
     d2[7] = n_dst
     with pytest.raises(RuntimeError, match="edge 7 .*outside the graph's 40 x 30 nodes"):
         torch.ops.granii.coo_to_csr(src, d2, n_src, n_dst, False)
+
+
+@needs_native
+@pytest.mark.parametrize("k", [3, 5, 6, 7, 12])
+@pytest.mark.parametrize("parts", [1, 3])
+def test_fused_epilogue_at_widths_of_one_hot_labels(k, parts):
+    """Float32 widths that are no power of two (node labels one-hot: MUTAG's 7) run one walk
+    of a row's nonzeros with all their accumulators: edge values, both scalings, bias, residual
+    and ReLU against the dense computation, rows whole and split between parts."""
+    g = _loops_and_duplicates()
+    gi, a = graph_info(g), _dense(g)
+    idx = native.csr_index(gi)
+    n, e = g.num_nodes(), g.num_edges()
+    x = torch.randn(n, 1, k)
+    w = torch.rand(e)
+    rs, cs, bias, res = torch.rand(n), torch.rand(n), torch.randn(k), torch.randn(n, k)
+    src, dst = g.edges(order="eid")
+    aw = torch.zeros(n, n).index_put_((dst, src), w, accumulate=True)
+    want = torch.relu(rs[:, None] * (aw @ (cs[:, None] * x[:, 0])) + bias + res)
+    vals = w[idx.eids.long()] if idx.eids is not None else w
+    got = torch.ops.granii.spmm_csr(idx.indptr, idx.indices, x, vals.reshape(-1, 1).contiguous(),
+                                    None, rs, cs, bias, 1, parts, res)
+    torch.testing.assert_close(got.reshape(n, k), want, atol=1e-5, rtol=1e-5)
+    plain = torch.ops.granii.spmm_csr(idx.indptr, idx.indices, x, None, None, None, None, None, 0,
+                                      parts, None)
+    torch.testing.assert_close(plain.reshape(n, k), (a @ x[:, 0].double()).float(), atol=1e-5,
+                               rtol=1e-5)

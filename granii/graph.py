@@ -104,6 +104,12 @@ class GraphCache(dict):
         if self.held > CACHE_LIMIT["bytes"] or self.stores % self.RECOUNT == 0:
             self.shrink(keep=key)
 
+    def alias(self, key, value):
+        """Store ``value``, whose tensors another entry holds, unless ``key`` has one: their bytes
+        are counted there, so the store costs no count (``shrink`` counts every entry)."""
+        if key not in self:
+            super().__setitem__(key, value)
+
     def shrink(self, keep=None):
         sizes = {k: nbytes(v) for k, v in self.items()}
         self.held = sum(sizes.values())
@@ -187,8 +193,10 @@ class GraphInfo:
                 return None
             small = max(self.num_edges, self.num_src, self.num_dst) < 2 ** 31
             out = torch.ops.granii.coo_to_csr(*edges, self.num_src, self.num_dst, small)
-            self.set_degrees(out[3], out[4])
-            self.memo("degree_stats", lambda: out[5])
+            cache = self.cache
+            cache.alias("out_deg", out[3])
+            cache.alias("in_deg", out[4])
+            cache.alias("degree_stats", out[5])
             return out
         return self.memo("edge_list_counted", make)
 

@@ -183,14 +183,14 @@ def csr_index(gi, which="a"):
             indptr, indices, eids, pos = torch.ops.granii.csr_transpose(
                 a.indptr, a.indices, a.eids, gi.num_src)
             return CsrIndex(indptr, indices, eids, gi.num_src, gi.num_dst, pos)
-        counted = gi.counted()
+        counted = gi.counted()          # which keeps the degrees it counted
         if counted is not None:
-            indptr, indices, eids, out_deg, in_deg, _ = counted
+            indptr, indices, eids = counted[:3]
         else:
             small = max(gi.num_edges, gi.num_src, gi.num_dst) <= _INT32_MAX
             indptr, indices, eids, out_deg, in_deg = torch.ops.granii.csr_narrow(
                 *(t.long().contiguous() for t in gi.csc()), gi.num_src, small)
-        gi.set_degrees(out_deg, in_deg)
+            gi.set_degrees(out_deg, in_deg)
         return CsrIndex(indptr, indices, eids, gi.num_dst, gi.num_src)
     return gi.memo(("native_csr", which), make)
 

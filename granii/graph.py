@@ -177,28 +177,42 @@ class GraphInfo:
             eids = torch.arange(self.num_edges, dtype=indices.dtype)
         return indptr, indices, eids
 
-    def counted(self):
+    def counted(self, transpose=False):
         """``granii::coo_to_csr`` of the graph's edge list, once per graph: ``(indptr, indices,
         eids or None, out-degrees, in-degrees, degree statistics)``, int32 where the graph fits;
         ``None`` where the graph holds an index already (a sampled block, a graph DGL indexed),
         lives on a GPU, or the native extension is not loaded. The cost model's features
         (``featurize``) and the kernels' index (``kernels.native.csr_index``) both read it: one
-        count of the edges for both."""
+        count of the edges for both. ``transpose``: when the count is made now, make ``A^T``'s
+        index in the same call (``coo_to_csr_both``; kept as ``"edge_list_transposed"``), which
+        a backward reads next."""
         if self.gpu or self.is_block or not _native_loaded():
             return None
+        cache = self.cache
+        if "edge_list_counted" in cache:
+            return cache["edge_list_counted"]
+        edges = self.edge_list()
+        if edges is None or edges[0].dtype not in (torch.int32, torch.int64):
+            cache["edge_list_counted"] = None
+            return None
+        small = max(self.num_edges, self.num_src, self.num_dst) < 2 ** 31
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():
+                out = self._count(edges, small, transpose)
+        else:
+            out = self._count(edges, small, transpose)
+        cache["edge_list_counted"] = out[:6]
+        cache.alias("out_deg", out[3])
+        cache.alias("in_deg", out[4])
+        cache.alias("degree_stats", out[5])
+        if transpose:
+            cache["edge_list_transposed"] = out[6:]
+        return out[:6]
 
-        def make():
-            edges = self.edge_list()
-            if edges is None or edges[0].dtype not in (torch.int32, torch.int64):
-                return None
-            small = max(self.num_edges, self.num_src, self.num_dst) < 2 ** 31
-            out = torch.ops.granii.coo_to_csr(*edges, self.num_src, self.num_dst, small)
-            cache = self.cache
-            cache.alias("out_deg", out[3])
-            cache.alias("in_deg", out[4])
-            cache.alias("degree_stats", out[5])
-            return out
-        return self.memo("edge_list_counted", make)
+    def _count(self, edges, small, transpose):
+        if transpose:
+            return torch.ops.granii.coo_to_csr_both(*edges, self.num_src, self.num_dst, small)
+        return torch.ops.granii.coo_to_csr(*edges, self.num_src, self.num_dst, small)
 
     def edge_list(self):
         """``(src, dst)`` in edge-id order when that is all the graph holds (a new ``dgl.batch``

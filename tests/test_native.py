@@ -3,6 +3,7 @@ compiler exists; outputs and gradients against dense float64 references and DGL'
 graphs, a real graph, empty rows, one huge row, self-loops, duplicate edges and sampled blocks; the
 merge-path split of long rows; float32/float64, multi-head; gradcheck; 1 and 2 threads; forked
 DataLoader workers; the fallback without the extension."""
+import copy
 import os
 import shutil
 import subprocess
@@ -753,3 +754,61 @@ def test_fused_epilogue_at_widths_of_one_hot_labels(k, parts):
                                       parts, None)
     torch.testing.assert_close(plain.reshape(n, k), (a @ x[:, 0].double()).float(), atol=1e-5,
                                rtol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("order", ["destination", "shuffled"])
+@pytest.mark.parametrize("small", [True, False])
+def test_coo_to_csr_both_adds_the_transpose_csr_transpose_makes(order, small):
+    """``coo_to_csr_both``: ``coo_to_csr``'s outputs, and ``A^T`` as ``csr_transpose`` makes it
+    from them (rows by source, ascending destinations, the edge id and the position in ``A`` of
+    each entry), nodes without edges included."""
+    gen = torch.Generator().manual_seed(4)
+    n_src, n_dst, e = 50, 35, 260
+    src = torch.randint(0, n_src - 5, (e,), generator=gen)
+    dst = torch.randint(0, n_dst, (e,), generator=gen)
+    if order == "destination":
+        dst, perm = dst.sort(stable=True)
+        src = src[perm]
+    both = torch.ops.granii.coo_to_csr_both(src, dst, n_src, n_dst, small)
+    one = torch.ops.granii.coo_to_csr(src, dst, n_src, n_dst, small)
+    for a, b in zip(both[:6], one):
+        assert (a is None and b is None) or torch.equal(a, b)
+    want = torch.ops.granii.csr_transpose(one[0], one[1], one[2], n_src)
+    for a, b in zip(both[6:], want):
+        assert a.dtype == (torch.int32 if small else torch.int64) and torch.equal(a, b)
+
+
+@needs_native
+def test_a_new_graph_in_training_counts_both_indices_in_one_pass(monkeypatch):
+    """A GINConv training on a new batch every step: the class path's first call on a graph
+    makes ``A`` and ``A^T`` in one call (the backward reads ``A^T``), and no transpose of
+    ``A`` runs; in eval mode only ``A`` is made."""
+    from dgl.nn import GINConv
+    from granii import granii
+    calls = []
+    for name in ("coo_to_csr", "coo_to_csr_both", "csr_transpose"):
+        real = getattr(torch.ops.granii, name)
+        monkeypatch.setattr(torch.ops.granii, name,
+                            lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+
+    def batch(seed):
+        dgl.seed(seed)
+        return dgl.batch([dgl.rand_graph(12, 40) for _ in range(6)])
+    layer = GINConv(torch.nn.Linear(5, 5), "sum")
+    ref = copy.deepcopy(layer)
+    granii(layer, batch(0), torch.randn(72, 5))
+    for i in range(30):
+        g, x = batch(i + 1), torch.randn(72, 5, requires_grad=True)
+        calls.clear()
+        layer(g, x).sum().backward()
+    assert calls == ["coo_to_csr_both"], calls
+    xr = x.detach().requires_grad_()
+    ref(g, xr).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    layer.eval()
+    for i in range(30):
+        g = batch(100 + i)
+        calls.clear()
+        layer(g, torch.randn(72, 5))
+    assert calls == ["coo_to_csr"], calls

@@ -179,6 +179,13 @@ def csr_index(gi, which="a"):
     several times as much, and each block is used once."""
     def make():
         if which == "at":
+            made = gi.cache.get("edge_list_transposed")
+            if made is None and "edge_list_counted" not in gi.cache:
+                gi.counted(transpose=True)
+                made = gi.cache.get("edge_list_transposed")
+            if made is not None:
+                indptr, indices, eids, pos = made
+                return CsrIndex(indptr, indices, eids, gi.num_src, gi.num_dst, pos)
             a = csr_index(gi, "a")
             indptr, indices, eids, pos = torch.ops.granii.csr_transpose(
                 a.indptr, a.indices, a.eids, gi.num_src)

@@ -18,6 +18,7 @@ from .variants import _config_checks, _config_value_holds, _get, _guard_on_graph
 # call guard; a later call with the same guard on the same graph runs that decision after a few
 # identity and shape checks, without binding, checking sizes or looking the decision up again.
 _GRAD = 0                # where ``torch.is_grad_enabled()`` is in a call guard
+_TRAINING = 3            # ... and ``layer.training``
 _PLAIN = (type(None), bool, int, float, str)
 _FAST_ENTRIES = 32       # fast entries kept per (layer, graph): guards beyond that are rare
 _FAST_AFTER = 6          # normal-path calls on a graph before its fast path is built

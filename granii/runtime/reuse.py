@@ -9,9 +9,10 @@ import torch
 from .. import ir
 from ..featurize import class_shape
 from ..graph import graph_info
+from ..kernels import native
 from .bind import _CheckedGraph, _repeats, graph_index, input_identity
-from .fastpath import (FastEntry, _FAST_AFTER, _GRAD, _SEEN, _arg_reader, _fast_run_of,
-                       _places, held_info)
+from .fastpath import (FastEntry, _FAST_AFTER, _GRAD, _SEEN, _TRAINING, _arg_reader,
+                       _fast_run_of, _places, held_info)
 from .state import _any_requires_grad
 from .tiebreak import Trial, _graph_work
 from .variants import _graph_condition, _guard_on_graph, check_code
@@ -99,7 +100,7 @@ def _class_of(state, guard, gi):
     shape = None
     for record, entry, structural in entries or ():
         if shape is None or shape[0] != structural:
-            shape = (structural, graph_shape(gi, structural))
+            shape = (structural, graph_shape(gi, structural, guard[_GRAD] and guard[_TRAINING]))
         if all(abs(a - b) <= SHAPE_SLACK for a, b in zip(record["shape"], shape[1])):
             return record, entry
     return None
@@ -219,15 +220,19 @@ def graph_class_key(call):
     return ("graph", call.key, sizes) + ((call.gi.device.type,) if call.gi.gpu else ())
 
 
-def graph_shape(gi, structural=True):
+def graph_shape(gi, structural=True, training=False):
     """``featurize.class_shape`` of a whole graph, once per graph. With the native kernels the
     degrees come from the pass that builds their index (``native.csr_index``), which their
-    plans read next. A layer that reads no edge of the graph (a readout) is placed by its sizes
-    alone (``structural`` false): counting degrees would cost it more than its call."""
+    plans read next; in ``training`` (a backward will follow) that pass makes the index of
+    ``A^T`` too, which the backward reads. A layer that reads no edge of the graph (a readout)
+    is placed by its sizes alone (``structural`` false): counting degrees would cost it more
+    than its call."""
     if not structural:
         return class_shape(gi.num_src, gi.num_edges, None, None, (0.0, 0.0, 0.0))
 
     def make():
+        if training and native.available() and not gi.gpu:
+            native.csr_index(gi, "at")
         graph_index(gi)
         stats = gi.cache.get("degree_stats")
         return class_shape(gi.num_src, gi.num_edges, gi.in_degrees(), gi.out_degrees(),
@@ -241,7 +246,8 @@ def _class_decision(state, call, mode):
     coordinate (sizes and degree statistics within a factor of 1.7). A graph like none of them
     decides anew (``_new_class``)."""
     key = graph_class_key(call) + mode
-    shape = graph_shape(call.gi, reads_edges(call.compiled.layer_ir.root))
+    shape = graph_shape(call.gi, reads_edges(call.compiled.layer_ir.root),
+                        call.training and call.module is not None and call.module.training)
     for record in state.classes.get(key, ()):
         if all(abs(a - b) <= SHAPE_SLACK for a, b in zip(record["shape"], shape)):
             return key, shape, record

@@ -20,6 +20,11 @@
 //       standard deviation of the in-degrees. One counting sort: what a new graph object (a
 //       `dgl.batch` each step) needs before any kernel runs, where building it from DGL's index
 //       costs an index build, a cast and a second pass.
+//   granii::coo_to_csr_both(src, dst, num_src, num_dst, small)
+//           -> (coo_to_csr's six, t_indptr, t_indices, t_eids, t_pos)
+//       coo_to_csr and, in the same call, A^T as csr_transpose gives it: its row pointers from
+//       the out-degrees that pass counted, its entries by one walk of A's rows, so the backward
+//       of a new graph in training finds its index without a count of its own.
 //   granii::batch_segments(counts, num_nodes) -> (offsets, offsets32, graph_of_node)
 //       The segments of a batch of graphs from its node counts (int64, one per graph): their
 //       running sums from 0 (G + 1 entries, int64, and the same as int32, the row pointers of
@@ -143,10 +148,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> csr_narro
                : narrow_to<int64_t>(indptr, indices, eids, n_cols, name);
 }
 
+using CooOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
 template <typename out_t>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> coo_to(
-    const int64_t* src, const int64_t* dst, int64_t nnz, int64_t num_src, int64_t num_dst,
-    const at::TensorOptions& int_opts, const char* name) {
+CooOut coo_to(const int64_t* src, const int64_t* dst, int64_t nnz, int64_t num_src,
+              int64_t num_dst, const at::TensorOptions& int_opts, const char* name,
+              bool transpose) {
   auto opts = int_opts.dtype(c10::CppTypeToScalarType<out_t>::value);
   auto fopts = int_opts.dtype(at::kFloat);
   at::Tensor ip = at::empty({num_dst + 1}, opts), ix = at::empty({nnz}, opts);
@@ -214,21 +222,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   st[0] = max_in;
   st[1] = max_out;
   st[2] = std::sqrt(var);
-  return {ip, ix, sorted ? at::Tensor() : ei, out_deg, in_deg, stats};
+  at::Tensor tp, tx, te, tpos;
+  if (transpose) {  // A^T by its rows' counts (the out-degrees above), A's rows in order
+    tp = at::empty({num_src + 1}, opts);
+    tx = at::empty({nnz}, opts);
+    te = at::empty({nnz}, opts);
+    tpos = at::empty({nnz}, opts);
+    out_t* q = tp.data_ptr<out_t>();
+    out_t* qx = tx.data_ptr<out_t>();
+    out_t* qe = te.data_ptr<out_t>();
+    out_t* qp = tpos.data_ptr<out_t>();
+    q[0] = 0;
+    for (int64_t u = 0; u < num_src; ++u) q[u + 1] = q[u] + oc[u];
+    std::vector<out_t> next(q, q + num_src);
+    for (int64_t v = 0; v < num_dst; ++v) {
+      for (out_t k = p[v]; k < p[v + 1]; ++k) {
+        const out_t t = next[x[k]]++;
+        qx[t] = static_cast<out_t>(v);
+        qe[t] = sorted ? k : e[k];
+        qp[t] = k;
+      }
+    }
+  }
+  return {ip, ix, sorted ? at::Tensor() : ei, out_deg, in_deg, stats, tp, tx, te, tpos};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> coo_to_csr(
-    const at::Tensor& src, const at::Tensor& dst, int64_t num_src, int64_t num_dst, bool small) {
-  const char* name = "granii::coo_to_csr";
+CooOut coo_convert(const at::Tensor& src, const at::Tensor& dst, int64_t num_src,
+                   int64_t num_dst, bool small, bool transpose, const char* name) {
   TORCH_CHECK(src.dim() == 1 && dst.dim() == 1 && src.numel() == dst.numel(), name,
               ": src and dst must be 1-d, one entry per edge");
   TORCH_CHECK(num_src >= 0 && num_dst >= 0, name, ": node counts must be non-negative");
   const at::Tensor s = src.to(at::kLong).contiguous(), d = dst.to(at::kLong).contiguous();
   const auto opts = s.options();
   return small ? coo_to<int32_t>(s.data_ptr<int64_t>(), d.data_ptr<int64_t>(), s.numel(), num_src,
-                                 num_dst, opts, name)
+                                 num_dst, opts, name, transpose)
                : coo_to<int64_t>(s.data_ptr<int64_t>(), d.data_ptr<int64_t>(), s.numel(), num_src,
-                                 num_dst, opts, name);
+                                 num_dst, opts, name, transpose);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> coo_to_csr(
+    const at::Tensor& src, const at::Tensor& dst, int64_t num_src, int64_t num_dst, bool small) {
+  auto o = coo_convert(src, dst, num_src, num_dst, small, false, "granii::coo_to_csr");
+  return {std::get<0>(o), std::get<1>(o), std::get<2>(o), std::get<3>(o), std::get<4>(o),
+          std::get<5>(o)};
+}
+
+CooOut coo_to_csr_both(const at::Tensor& src, const at::Tensor& dst, int64_t num_src,
+                       int64_t num_dst, bool small) {
+  return coo_convert(src, dst, num_src, num_dst, small, true, "granii::coo_to_csr_both");
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_segments(const at::Tensor& counts,
@@ -272,6 +313,8 @@ TORCH_LIBRARY_FRAGMENT(granii, m) {
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("coo_to_csr(Tensor src, Tensor dst, int num_src, int num_dst, bool small) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("coo_to_csr_both(Tensor src, Tensor dst, int num_src, int num_dst, bool small) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("batch_segments(Tensor counts, int num_nodes) -> (Tensor, Tensor, Tensor)");
 }
 
@@ -279,6 +322,7 @@ TORCH_LIBRARY_IMPL(granii, CPU, m) {
   m.impl("csr_transpose", &csr_transpose);
   m.impl("csr_narrow", &csr_narrow);
   m.impl("coo_to_csr", &coo_to_csr);
+  m.impl("coo_to_csr_both", &coo_to_csr_both);
   m.impl("batch_segments", &batch_segments);
 }
 

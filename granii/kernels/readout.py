@@ -10,8 +10,8 @@ of graph ``b`` contiguous (rows ``offsets[b]:offsets[b+1]`` of ``X``), so ``R`` 
 row pointers ``offsets`` and column indices ``0 .. N-1``: the native SpMM sums each segment (a
 tenth of DGL's readout call on a batch of small graphs), and the gradient ``R^T C^-1 dY`` copies
 each graph's row of ``dY`` back to its nodes (``index_select`` by the graph of each node, found
-once per batch). Without the native kernels, for dtypes they do not take, or for a small ``X``
-that needs a gradient (``_NATIVE_FROM``), ``index_add_`` computes the same sum.
+once per batch). Without the native kernels, or for dtypes they do not take, ``index_add_``
+computes the same sum.
 """
 import torch
 
@@ -73,24 +73,13 @@ def _graph_of_node(gi, counts):
     return hit[1]
 
 
-# Elements of ``X`` from which the native sum runs when a gradient is needed: below it torch's
-# ``index_add_`` and its ``index_select`` backward (autograd in C++) cost less than the native
-# product's Python autograd function, about 15 us each way (measured with the caches cold, as
-# in a model: a batch of 128 graphs, 2,304 nodes x 16, forward and backward 58 against 87 us;
-# 5,120 x 64: 104 against 129 us; 20,480 x 64: 513 against 438 us, where the parallel native
-# pass wins).
-_NATIVE_FROM = 1 << 20
-
-
 def _readout(gi, x, mean):
     counts, csr, _ = segments(gi)
     g = counts.numel()
     flat = x.reshape(x.shape[0], -1)
     scale = counts.to(x.dtype).clamp(min=1).reciprocal() if mean else None
     if (csr is not None and x.dtype in (torch.float32, torch.float64) and flat.shape[0] > 0
-            and flat.shape[1] > 0
-            and (flat.numel() >= _NATIVE_FROM or not (flat.requires_grad and
-                                                       torch.is_grad_enabled()))):
+            and flat.shape[1] > 0):
         y = _SegmentSum.apply(flat.contiguous(), csr[0], csr[1], counts,
                               None if scale is None else scale.contiguous(), gi)
     else:

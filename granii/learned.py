@@ -255,16 +255,21 @@ class Trees:
     DTYPES = (np.int64, np.int64, np.int64, np.float32, np.bool_)
 
     @classmethod
-    def from_arrays(cls, arrays):
-        """The ensemble from the arrays ``ARRAYS`` (as kept in the cache) plus ``num_features``
-        and ``depth``."""
+    def from_arrays(cls, arrays, checked=True):
+        """The ensemble from the arrays ``ARRAYS`` (as kept in the cache: indices and flags may
+        be int32) plus ``num_features`` and ``depth``. ``checked`` false: the indices are
+        checked when first walked by numpy (``predict_numpy``); the native walk checks each
+        index it reads, so a process that predicts natively never reads the arrays whole."""
         trees = cls.__new__(cls)
         for name in cls.ARRAYS:
             setattr(trees, name, np.asarray(arrays[name]))
         trees.num_features, trees.depth = int(arrays["num_features"]), int(arrays["depth"])
         if len({getattr(trees, name).shape for name in cls.ARRAYS}) != 1 or trees.left.ndim != 2:
             raise ValueError("inconsistent tree arrays")
-        trees._check_splits()
+        trees._checked = False
+        if checked:
+            trees._check_splits()
+            trees._checked = True
         trees.rows = np.arange(trees.left.shape[0])[None, :]
         return trees
 
@@ -292,14 +297,17 @@ class Trees:
         if walk is None:
             return self.predict_numpy(X, margin)
         import torch
-        if "_tensors" not in self.__dict__:
-            self._tensors = [torch.from_numpy(np.ascontiguousarray(getattr(self, name), dtype))
-                             for name, dtype in zip(self.ARRAYS, self.DTYPES)]
+        if "_tensors" not in self.__dict__:     # in the dtypes they were read in: no copies
+            self._tensors = [torch.from_numpy(np.ascontiguousarray(getattr(self, name)))
+                             for name in self.ARRAYS]
         sums = walk(*self._tensors, torch.from_numpy(np.ascontiguousarray(X)), self.depth)
         return np.asarray(margin, dtype=np.float64) + sums.numpy()
 
     def predict_numpy(self, X, margin):
         """``predict`` by numpy: all trees advance one level per step."""
+        if not self.__dict__.get("_checked", True):
+            self._check_splits()
+            self._checked = True
         X = np.asarray(X, dtype=np.float32)
         node = np.zeros((X.shape[0], self.left.shape[0]), dtype=np.int64)
         r = np.arange(X.shape[0])[:, None]
@@ -609,11 +617,9 @@ def _cached_trees(sha256):
         if t < 1 or w < 1 or flat.size != 6 + 5 * t * w:
             return None
         left, right, feature, cond, default_left = flat[6:].reshape(5, t, w)
-        return Trees.from_arrays({"left": left.astype(np.int64), "right": right.astype(np.int64),
-                                  "feature": feature.astype(np.int64),
-                                  "cond": cond.view(np.float32).copy(),
-                                  "default_left": default_left.astype(bool),
-                                  "num_features": n_feat, "depth": depth})
+        return Trees.from_arrays({"left": left, "right": right, "feature": feature,
+                                  "cond": cond.view(np.float32), "default_left": default_left,
+                                  "num_features": n_feat, "depth": depth}, checked=False)
     except (OSError, ValueError, EOFError):
         return None           # parsed again from the JSON, and the cache file written anew
 

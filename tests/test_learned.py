@@ -196,6 +196,37 @@ def test_parsed_models_are_cached_by_hash_and_a_bad_cache_file_is_parsed_again(
     assert load(copy_dir).predict(*args) == want
 
 
+def test_cached_arrays_are_read_without_copies_and_a_bad_index_raises_in_either_walk(
+        copy_dir, tmp_path, monkeypatch):
+    """The cache's int32 arrays are walked as read (no int64 copies), with the same prediction
+    as the parsed JSON's int64 arrays; a child index outside its tree, written into a cache
+    file whose header is intact, raises in the native walk and in numpy's, never reads past
+    the arrays."""
+    from granii.learned import trees_cache
+    monkeypatch.setenv("GRANII_CACHE", str(tmp_path / "cache"))
+    sha = json.loads((copy_dir / MANIFEST).read_text())["models"]["gemm/torch"]["sha256"]
+    parsed = Trees(json.loads((copy_dir / "gemm__torch.json").read_text()))
+    args = ("gemm", "torch", _info(), {"m": 500, "k": 64, "n": 32})
+    want = load(copy_dir).predict(*args)
+    cached = learned._cached_trees(sha)
+    assert cached.left.dtype == np.int32 and cached.cond.dtype == np.float32
+    x = np.random.default_rng(0).random((5, cached.num_features), dtype=np.float32)
+    assert parsed.left.dtype == np.int64
+    assert np.array_equal(cached.predict(x, 0.5), parsed.predict(x, 0.5))
+    assert np.allclose(cached.predict(x, 0.5), cached.predict_numpy(x, 0.5))
+    assert load(copy_dir).predict(*args) == want
+    flat = np.fromfile(trees_cache(sha), dtype="<i4")
+    t, w = int(flat[4]), int(flat[5])
+    left = flat[6:6 + t * w].reshape(t, w)
+    left[0, 0] = w + 7                                # the root's left child: outside its tree
+    flat.tofile(trees_cache(sha))
+    bad = learned._cached_trees(sha)
+    with pytest.raises(RuntimeError, match="points to node"):
+        bad.predict(x, 0.5)
+    with pytest.raises(ValueError, match="outside its tree"):
+        bad.predict_numpy(x, 0.5)
+
+
 def test_learns_the_implementation_ratio(model_dir):
     lc = load(model_dir)
     gi = _info()

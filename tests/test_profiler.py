@@ -356,3 +356,20 @@ def test_only_names_profiled_primitives_and_needs_a_model_folder(tmp_path):
     with pytest.raises(SystemExit, match="without --only first"):
         main(["--only", "head_dot", "--out", str(tmp_path), "--runs", str(tmp_path)])
     assert not any(tmp_path.iterdir())          # nothing profiled, nothing written
+
+
+def test_the_contention_probe_runs_in_torchs_thread_pool(monkeypatch):
+    """The probe's product is granii's kernel (or torch's CSR product), never DGL's, whose
+    OpenMP runtime slowed the narrow GEMMs measured after each probe; it computes ``A X``."""
+    import dgl
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the probe ran a DGL kernel")
+    monkeypatch.setattr(dgl.ops, "copy_u_sum", refused)
+    probe = harness.Probe()
+    g = gen.uniform(2000, 16000, seed=1)
+    x = torch.randn(2000, 32, generator=torch.Generator().manual_seed(0))
+    u, v = g.edges()
+    want = torch.zeros(2000, 32).index_add_(0, v, x[u])
+    torch.testing.assert_close(probe.fn().reshape(2000, 32), want, atol=1e-4, rtol=1e-4)
+    assert probe.seconds() > 0

@@ -8,6 +8,7 @@ IR of DGL's built-in functions; UDFs the frontend cannot lower run as written, w
 ``granii.explain``.
 """
 import copy
+import functools
 import io
 
 import dgl
@@ -797,3 +798,43 @@ def test_udf_gat_with_functional_leaky_relu_gets_the_fused_attention(scores):
     plans = prepare(new_state(m), m, (g, x), {}).compiled.plans
     assert any(p.composition().endswith("gat_aggregate") for p in plans)
     assert check_all_plans(m, (g, x), {}, [x] + list(m.parameters())) >= 1
+
+
+def _nested_last(x):
+    def inner(y):
+        return (y +
+                1)
+    return inner
+
+
+@functools.wraps(_nested_last)
+def _wrapper(*args):
+    return _nested_last(*args)
+
+
+def _ends_in_a_bracket(x):
+    return dict(
+        a=x,
+        b=[x,
+           x],
+    )  # a comment after the last line
+
+
+def test_def_source_is_inspects_without_tokenizing():
+    """``udf.def_source``: the same ``def`` as ``inspect.getsource`` (compared parsed) for
+    every ``forward`` of DGL's layers and for a nested function, a wrapper and a statement whose
+    brackets close on later lines; a function whose lines cannot be found is still read by
+    ``inspect``."""
+    import ast
+    import inspect
+    import textwrap
+    import dgl.nn.pytorch as dnn
+    from granii.frontend.udf import def_source
+    funcs = [_nested_last, _nested_last(0), _wrapper, _ends_in_a_bracket]
+    funcs += [c.forward for c in vars(dnn).values() if isinstance(c, type) and
+              issubclass(c, torch.nn.Module) and "forward" in c.__dict__]
+    assert len(funcs) > 30
+    for f in funcs:
+        want = textwrap.dedent(inspect.getsource(f))
+        assert ast.dump(ast.parse(def_source(f))) == ast.dump(ast.parse(want)), f
+    assert def_source(_wrapper).lstrip().startswith("def _nested_last")

@@ -12,10 +12,8 @@ construct; the caller then runs the original module.
 import ast
 import builtins
 import functools
-import inspect
 import operator
 import re
-import textwrap
 
 import torch
 
@@ -72,7 +70,7 @@ def forward_ast(cls):
 
 
 def _parse_forward(fwd):
-    src = textwrap.dedent(inspect.getsource(fwd))
+    src = udf.def_source(fwd)
     return ast.parse(src).body[0], src
 
 

@@ -28,6 +28,7 @@ import ast
 import collections
 import dataclasses
 import inspect
+import linecache
 import textwrap
 import types
 import weakref
@@ -112,6 +113,47 @@ def parsed_once(code, parse):
     return value
 
 
+def def_source(func):
+    """``textwrap.dedent`` of the source of the ``def`` of ``func``, as ``inspect.getsource``
+    gives it (decorators included), without tokenizing: the lines from the code object's first
+    line to the last line an instruction of it or of a function nested in it spans
+    (``co_positions``), taken from the file's lines as ``inspect`` reads them. ``inspect``
+    finds the end by tokenizing the file from the ``def`` on, a millisecond or two of a
+    layer's first call. Whatever that cannot give (no positions, lines that do not parse as
+    one ``def`` of that name) is read by ``inspect.getsource``. A wrapper
+    (``functools.wraps``) reads as the function it wraps, as in ``inspect``."""
+    func = inspect.unwrap(func)
+    code = getattr(func, "__code__", None)
+    last = _last_line(code) if code is not None else None
+    if last is not None:
+        lines = linecache.getlines(code.co_filename, func.__globals__)
+        first = code.co_firstlineno
+        if 0 < first <= last <= len(lines):
+            src = textwrap.dedent("".join(lines[first - 1:last]))
+            try:
+                body = ast.parse(src).body
+            except SyntaxError:
+                body = None
+            if body and len(body) == 1 and isinstance(body[0], ast.FunctionDef) \
+                    and body[0].name == code.co_name:
+                return src
+    return textwrap.dedent(inspect.getsource(func))
+
+
+def _last_line(code):
+    """The last source line of ``code`` and the code objects in its constants, or ``None``."""
+    positions = getattr(code, "co_positions", None)
+    if positions is None:
+        return None
+    last = max((end for _, end, _, _ in positions() if end is not None), default=None)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            inner = _last_line(c)
+            if inner is not None:
+                last = inner if last is None else max(last, inner)
+    return last
+
+
 def _definition(func):
     return parsed_once(func.__code__, lambda: _parse_definition(func))
 
@@ -120,7 +162,7 @@ def _parse_definition(func):
     """``(ast node, source text)`` of ``func``: its own source for a ``def``; for a lambda the
     whole file, since the lines of a lambda are often not a statement on their own."""
     if func.__name__ != "<lambda>":
-        src = textwrap.dedent(inspect.getsource(func))
+        src = def_source(func)
         node = ast.parse(src).body[0]
         if not isinstance(node, ast.FunctionDef) or node.decorator_list:
             raise SyntaxError("not a plain (undecorated) def")

@@ -416,6 +416,13 @@ class LearnedCost:
     def has_model(self, prim, impl, phase="forward"):
         return (prim, impl) in (self.trees if phase == "forward" else self.train_trees)
 
+    @property
+    def complete(self):
+        """Whether these models come from a full profile that ran to its end: a pair it lacks
+        has no model anywhere (``select._learned`` then asks no other folder)."""
+        run = self.manifest.get("run") or {}
+        return run.get("mode") == "full" and run.get("stopped_early") is False
+
     def pricer(self, prim, impl, phase="forward"):
         """The name of the cost model that prices ``(prim, impl)`` in ``phase``."""
         prim, impl = PRICED_AS.get((prim, impl), (prim, impl))

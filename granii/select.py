@@ -291,13 +291,17 @@ def _learned(model, prim, impl, phase):
     """Whether ``model``, or a learned model it falls back to for pairs it lacks (another
     machine's models transferred), has a model for ``(prim, impl)`` in ``phase``: a
     ``--quick`` init has no per-head models, and those of the shipped models price the per-head
-    plans better than one-head derivations, which underpriced them up to 3x."""
+    plans better than one-head derivations, which underpriced them up to 3x. Models of a full
+    profile that ran to its end stand alone: a pair they lack (an addition, a concatenation)
+    no profile measures."""
     while model is not None:
         has = getattr(model, "has_model", None)
         if has is None:
             return False
         if has(prim, impl, phase):
             return True
+        if getattr(model, "complete", False):
+            return False     # no other folder's manifests read (milliseconds of a first call)
         learned_fallback = getattr(model, "learned_fallback", None)
         model = learned_fallback() if learned_fallback else getattr(model, "fallback", None)
     return False

@@ -868,3 +868,23 @@ def test_damaged_tree_file_is_a_cost_model_error(copy_dir):
     n_features = int(model["learner"]["learner_model_param"]["num_feature"])
     with pytest.raises(CostModelError, match="damaged"):
         learned.read_trees(path, n_features)
+
+
+def test_models_of_a_full_profile_ask_no_other_folder_about_a_pair_they_lack(copy_dir):
+    """``select._learned``: models of a full profile that ran to its end stand alone (a pair
+    they lack, an addition, no profile measures: reading other folders' manifests cost a first
+    call milliseconds); a quick or stopped profile's models ask their fallback."""
+    from granii import select
+    lc = load(copy_dir)
+    asked = []
+    lc.learned_fallback = lambda: asked.append(1) or None
+    run = lc.manifest.setdefault("run", {})
+    run.update(mode="full", stopped_early=False)
+    assert lc.complete
+    assert select._learned(lc, "gemm", "torch", "forward") is True
+    assert select._learned(lc, "add", "torch", "forward") is False and not asked
+    for mode, stopped in (("quick", False), ("full", True)):
+        run.update(mode=mode, stopped_early=stopped)
+        assert not lc.complete
+        assert select._learned(lc, "add", "torch", "forward") is False and asked
+        asked.clear()

@@ -252,7 +252,6 @@ class Trees:
                 raise ValueError("a tree node points outside its tree")
 
     ARRAYS = ("left", "right", "feature", "cond", "default_left")
-    DTYPES = (np.int64, np.int64, np.int64, np.float32, np.bool_)
 
     @classmethod
     def from_arrays(cls, arrays, checked=True):

@@ -63,9 +63,9 @@ class _SegmentSum(torch.autograd.Function):
 def _graph_of_node(gi, counts):
     """The graph of each node of ``gi``'s batch (``R^T`` as an index: ``R^T dY = dY[graph]``),
     once per batch: the readouts after every layer of a model share it."""
-    made = gi.cache.get("segments")          # the graph itself may be gone in a backward
-    if made is not None and made[2][0] is counts and made[2][3] is not None:
-        return made[2][3]
+    made = gi.kept_segments()                # the graph itself may be gone in a backward
+    if made is not None and made[0] is counts and made[3] is not None:
+        return made[3]
     hit = gi.cache.get("readout_graph_of_node")
     if hit is None or hit[0] is not counts:
         hit = gi.cache["readout_graph_of_node"] = (

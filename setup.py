@@ -33,7 +33,6 @@ compiler, or if the compilation fails, the install still succeeds: the build say
 uses its other kernels.
 """
 import glob
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -50,27 +49,20 @@ def _say(msg):
     print(f"granii: {msg}", file=sys.stderr, flush=True)
 
 
-def sources_sha():
-    """Hash of csrc/*.cpp, csrc/*.h and this file (as granii.kernels.native.sources_sha)."""
-    files = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "*.h")),
-                   key=os.path.basename)
-    h = hashlib.sha256()
-    for p in files + [os.path.join(os.path.dirname(os.path.abspath(__file__)), "setup.py")]:
-        h.update(os.path.basename(p).encode())
-        with open(p, "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()[:16]
-
-
-def _extension_paths():
-    """``granii/kernels/extension.py``, loaded by its path (importing granii would import all
-    of it): where the build for the running torch goes."""
+def _by_path(name):
+    """A module of ``granii/kernels/`` loaded by its path (importing granii would import all of
+    it)."""
     here = os.path.dirname(os.path.abspath(__file__))
     spec = importlib.util.spec_from_file_location(
-        "granii_extension_paths", os.path.join(here, "granii", "kernels", "extension.py"))
+        f"granii_{name}_by_path", os.path.join(here, "granii", "kernels", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _extension_paths():
+    """``granii/kernels/extension.py``: where the build for the running torch goes."""
+    return _by_path("extension")
 
 
 def _native():
@@ -124,12 +116,16 @@ def _native():
 
     flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-Wno-unused-parameter"]
     flags += os.environ.get("GRANII_CXXFLAGS", "").split()
-    # the sources' hash goes to module.cpp alone, through a generated header, so that a change in
+    # the sources' hashes (``granii/kernels/sources.py``: all of them, and those the cost models'
+    # timings depend on) go to module.cpp alone, through a generated header, so that a change in
     # one kernel file recompiles that file and module.cpp, not all of them
     gen_dir = os.path.abspath(os.path.join("build", "granii_generated"))
     os.makedirs(gen_dir, exist_ok=True)
     header = os.path.join(gen_dir, "granii_sources_sha.h")
-    text = f'#define GRANII_SOURCES_SHA h{sources_sha()}\n'
+    here = os.path.dirname(os.path.abspath(__file__))
+    shas = _by_path("sources")
+    text = (f"#define GRANII_SOURCES_SHA h{shas.sources_sha(here)}\n"
+            f"#define GRANII_KERNELS_SHA h{shas.kernels_sha(here)}\n")
     if not os.path.isfile(header) or open(header).read() != text:
         with open(header, "w") as f:
             f.write(text)

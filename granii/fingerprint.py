@@ -20,8 +20,9 @@ measured, and are recorded beside them (``RECORDED``) without entering the id:
                  ``default`` when unset): with sleeping workers every parallel region pays a
                  wake-up of tens of microseconds, and granii's small products and kernels take
                  another path (``kernels/blas.py``, ``csrc/native.h``)
-    native       the hash of the sources the native kernels were built from
-                 (``kernels.native.built_sha``), or ``none`` without them
+    native       the hash of the native kernels' sources that the timings depend on
+                 (``kernels/sources.py``: every kernel file but those no profiled timing runs,
+                 such as the index builders), or ``none`` without the kernels
 
 Models whose fingerprint records these are foreign where they differ (``differences``); models
 made before they were recorded are compared on ``FIELDS`` only.
@@ -98,11 +99,12 @@ def wait_policy():
 
 
 def native_build():
-    """The source hash the loaded native kernels were built from, or ``none``."""
+    """The hash of the loaded native kernels' timed sources (``kernels.native.kernels_sha``), or
+    ``none``."""
     from granii.kernels import native
     if not native.AVAILABLE:
         return "none"
-    return native.built_sha(native._MODULE) or "unknown"
+    return native.kernels_sha(native._MODULE) or "unknown"
 
 
 def machine_fingerprint(threads=None):

@@ -162,7 +162,7 @@ def test_fingerprint_records_the_wait_policy_and_the_native_build(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", " Passive ")
     here = fpm.machine_fingerprint()
     assert here["wait_policy"] == "passive"
-    assert here["native"] == (native.built_sha(native._MODULE) if native.AVAILABLE else "none")
+    assert here["native"] == (native.kernels_sha(native._MODULE) if native.AVAILABLE else "none")
     monkeypatch.delenv("OMP_WAIT_POLICY")
     unset = fpm.machine_fingerprint()
     assert unset["wait_policy"] == "default"

@@ -812,3 +812,38 @@ def test_a_new_graph_in_training_counts_both_indices_in_one_pass(monkeypatch):
         calls.clear()
         layer(g, torch.randn(72, 5))
     assert calls == ["coo_to_csr"], calls
+
+
+# -- which sources the cost models depend on ----------------------------------------------------
+def _copy_sources(tmp_path):
+    root = tmp_path / "checkout"
+    shutil.copytree(ROOT / "granii" / "kernels" / "csrc", root / "granii" / "kernels" / "csrc")
+    shutil.copy2(ROOT / "setup.py", root / "setup.py")
+    return root
+
+
+def test_a_change_to_an_untimed_file_keeps_the_timed_hash(tmp_path):
+    """The cost models record ``kernels_sha``: an index builder's change leaves it (the models
+    stay valid), a change to a profiled kernel, the shared header or the build file does not."""
+    from granii.kernels import sources
+    root = _copy_sources(tmp_path)
+    full, timed = sources.sources_sha(root), sources.kernels_sha(root)
+    assert (full, timed) == (native.sources_sha(), sources.kernels_sha(ROOT))
+    csrc = root / "granii" / "kernels" / "csrc"
+    with open(csrc / "csr.cpp", "a") as f:
+        f.write("\n// an index builder changed\n")
+    assert sources.sources_sha(root) != full and sources.kernels_sha(root) == timed
+    for name in ("granii/kernels/csrc/spmm.cpp", "granii/kernels/csrc/native.h", "setup.py"):
+        before = sources.kernels_sha(root)
+        with open(root / name, "a") as f:
+            f.write("\n// changed\n")
+        assert sources.kernels_sha(root) != before, name
+    assert sources.kernels_sha(tmp_path / "nothing") is None
+
+
+@needs_native
+def test_the_loaded_library_says_its_timed_hash_and_the_fingerprint_records_it():
+    from granii import fingerprint
+    from granii.kernels import sources
+    assert native.kernels_sha(native._MODULE) == sources.kernels_sha(ROOT)
+    assert fingerprint.machine_fingerprint()["native"] == sources.kernels_sha(ROOT)

@@ -373,3 +373,40 @@ def test_the_contention_probe_runs_in_torchs_thread_pool(monkeypatch):
     want = torch.zeros(2000, 32).index_add_(0, v, x[u])
     torch.testing.assert_close(probe.fn().reshape(2000, 32), want, atol=1e-4, rtol=1e-4)
     assert probe.seconds() > 0
+
+
+@pytest.mark.skipif(not __import__("granii.kernels.native", fromlist=["x"]).AVAILABLE,
+                    reason="native kernels not built")
+@pytest.mark.parametrize("phase", ["forward", "train"])
+def test_profiled_timings_run_no_operator_of_an_untimed_file(phase):
+    """The models record the hash of the kernel files their timings ran (``kernels/sources.py``):
+    every profiled call, after the warm-up call the harness makes, runs operators of timed files
+    only, so ``UNTIMED`` may change without voiding them."""
+    import re
+    from granii.kernels import sources
+    from granii.kernels.native import CSRC
+    owner = {name: p.name for p in CSRC.glob("*.cpp")
+             for name in re.findall(r'm\.def\(\s*"(\w+)\(', p.read_text())}
+    assert owner["coo_to_csr"] == "csr.cpp" and owner["sddmm_add_coo"] == "gat.cpp"
+    config = tiny(ks=[8], heads=[2], gat_f=[4], row_n=[50], row_k=[8],
+                  prims=pts.GRAPH_PRIMS + pts.DENSE_PRIMS)
+    g = gen.build(GRAPHS[0])
+    ran = set()
+    for prim, impls in pts.registered(config.prims):
+        if not pts.has_phase(prim, phase):
+            continue
+        dense = prim in pts.DENSE_PRIMS
+        gi = None if dense else GraphInfo(g)
+        sizes = (pts.dense_points(prim, config) if dense else pts.graph_sizes(prim, config))[0]
+        for impl, fn in pts.runners(prim, gi, sizes, impls, phase=phase).items():
+            try:
+                fn()                              # the harness's warm-up: indices built
+            except RuntimeError:
+                continue                          # no backward: not profiled in training
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+                fn()
+            ops = {e.name.split("::", 1)[1] for e in p.events() if e.name.startswith("granii::")}
+            ran |= ops
+            untimed = {op: owner[op] for op in ops if owner.get(op) in sources.UNTIMED}
+            assert not untimed, f"{prim}/{impl} ({phase}) runs {untimed}"
+    assert "spmm_csr" in ran

@@ -26,7 +26,6 @@ If the extension is not built (no compiler at install), or was built from other 
 it is loaded), importing this module says so once, with how to rebuild, and registers nothing:
 the other implementations are used.
 """
-import hashlib
 import importlib.util
 import warnings
 import weakref
@@ -40,6 +39,7 @@ try:                             # where the build for the running torch lives (
     from granii.kernels import extension
 except ImportError:
     extension = None
+from granii.kernels import sources as _sources
 from granii.kernels import spmm as _spmm
 
 _INT32_MAX = 2**31 - 1
@@ -54,17 +54,10 @@ class NativeKernelsUnavailable(UserWarning):
 
 
 def sources_sha():
-    """Hash of the sources the extension is built from (``csrc/*`` and ``setup.py``); the same
-    value ``setup.py`` compiles into the library. ``None`` without the sources (a wheel install)."""
-    files = sorted(p for p in CSRC.glob("*") if p.suffix in (".cpp", ".h"))
-    setup = ROOT / "setup.py"
-    if not files or not setup.is_file():
-        return None
-    h = hashlib.sha256()
-    for p in files + [setup]:
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:16]
+    """Hash of the sources the extension is built from (``csrc/*`` and ``setup.py``,
+    ``kernels/sources.py``); the same value ``setup.py`` compiles into the library. ``None``
+    without the sources (a wheel install)."""
+    return _sources.sources_sha(ROOT)
 
 
 def built_sha(mod):
@@ -72,6 +65,13 @@ def built_sha(mod):
     ``h<hex>``), or ``None`` when it does not say."""
     built = getattr(mod, "sources_sha", None)
     return built[1:] if built else None
+
+
+def kernels_sha(mod):
+    """The hash of the sources the cost models' timings depend on (``kernels/sources.py``) that
+    the extension module ``mod`` was compiled from, or ``None`` when it does not say."""
+    built = getattr(mod, "kernels_sha", None)
+    return built[1:] if built and built != "hunknown" else None
 
 
 def library_sha_matches(lib, here):

@@ -219,11 +219,10 @@ KERNELS = "kernels.json"
 
 def kernels_build():
     """What the timings depend on besides the machine: the native kernels loaded (the hash of
-    the sources they were built from), or ``"none"`` without them."""
-    from granii.kernels import native
-    if not native.available():
-        return "none"
-    return native.built_sha(native._MODULE) or native.sources_sha() or "unknown"
+    their sources the timings depend on, as the models record it), or ``"none"`` without
+    them."""
+    from granii.fingerprint import native_build
+    return native_build()
 
 
 def _kernels_stamp(run_dir):

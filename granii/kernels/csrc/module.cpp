@@ -65,13 +65,18 @@ static struct PyModuleDef granii_native_module = {
 #ifndef GRANII_SOURCES_SHA
 #define GRANII_SOURCES_SHA hunknown
 #endif
+#ifndef GRANII_KERNELS_SHA
+#define GRANII_KERNELS_SHA hunknown
+#endif
 
 // sources_sha: the hash setup.py computed over csrc/ and setup.py (as h<hex>); granii.kernels.native
-// compares it with the sources on disk and says when the library is stale.
+// compares it with the sources on disk and says when the library is stale. kernels_sha: the hash of
+// those the cost models' timings depend on (granii/kernels/sources.py), which the models record.
 PyMODINIT_FUNC PyInit__native(void) {
   PyObject* m = PyModule_Create(&granii_native_module);
   if (m != nullptr &&
-      PyModule_AddStringConstant(m, "sources_sha", GRANII_STR(GRANII_SOURCES_SHA)) != 0) {
+      (PyModule_AddStringConstant(m, "sources_sha", GRANII_STR(GRANII_SOURCES_SHA)) != 0 ||
+       PyModule_AddStringConstant(m, "kernels_sha", GRANII_STR(GRANII_KERNELS_SHA)) != 0)) {
     Py_DECREF(m);
     return nullptr;
   }

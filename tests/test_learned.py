@@ -227,6 +227,31 @@ def test_cached_arrays_are_read_without_copies_and_a_bad_index_raises_in_either_
         bad.predict_numpy(x, 0.5)
 
 
+def test_cached_models_are_mapped_and_a_rewritten_cache_leaves_the_mapping_whole(
+        copy_dir, tmp_path, monkeypatch):
+    """A cached model's arrays are the file's pages mapped read-only (a first call reads a dozen
+    models and walks a few nodes of each); a cache file written again meanwhile is renamed over
+    the old one, so the models already mapped keep predicting what they did."""
+    import mmap
+    monkeypatch.setenv("GRANII_CACHE", str(tmp_path / "cache"))
+    sha = json.loads((copy_dir / MANIFEST).read_text())["models"]["gemm/torch"]["sha256"]
+    args = ("gemm", "torch", _info(), {"m": 500, "k": 64, "n": 32})
+    want = load(copy_dir).predict(*args)
+    cached = learned._cached_trees(sha)
+    base = cached.left
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(getattr(base, "obj", base), mmap.mmap) and not cached.left.flags.writeable
+    x = np.random.default_rng(1).random((4, cached.num_features), dtype=np.float32)
+    before = cached.predict(x, 0.5)
+    other = Trees(json.loads((copy_dir / "spmm__dgl.json").read_text()))
+    learned._cache_trees(sha, other)                  # another model under the same name
+    assert np.array_equal(cached.predict(x, 0.5), before)
+    assert learned._cached_trees(sha).left.shape == other.left.shape
+    learned.trees_cache(sha).unlink()
+    assert load(copy_dir).predict(*args) == want     # parsed from the JSON again
+
+
 def test_learns_the_implementation_ratio(model_dir):
     lc = load(model_dir)
     gi = _info()

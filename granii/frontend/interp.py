@@ -70,8 +70,7 @@ def forward_ast(cls):
 
 
 def _parse_forward(fwd):
-    src = udf.def_source(fwd)
-    return ast.parse(src).body[0], src
+    return udf.parsed_def(fwd)
 
 
 class Interpreter:

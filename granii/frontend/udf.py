@@ -115,13 +115,20 @@ def parsed_once(code, parse):
 
 def def_source(func):
     """``textwrap.dedent`` of the source of the ``def`` of ``func``, as ``inspect.getsource``
-    gives it (decorators included), without tokenizing: the lines from the code object's first
-    line to the last line an instruction of it or of a function nested in it spans
-    (``co_positions``), taken from the file's lines as ``inspect`` reads them. ``inspect``
-    finds the end by tokenizing the file from the ``def`` on, a millisecond or two of a
-    layer's first call. Whatever that cannot give (no positions, lines that do not parse as
-    one ``def`` of that name) is read by ``inspect.getsource``. A wrapper
-    (``functools.wraps``) reads as the function it wraps, as in ``inspect``."""
+    gives it (decorators included): ``parsed_def(func)``'s text."""
+    return parsed_def(func)[1]
+
+
+def parsed_def(func):
+    """``(node, source)``: the parsed ``def`` of ``func`` (``ast.FunctionDef``, or whatever
+    ``inspect``'s source parses to first) and its ``textwrap.dedent``-ed source, without
+    tokenizing: the lines from the code object's first line to the last line an instruction of
+    it or of a function nested in it spans (``co_positions``), taken from the file's lines as
+    ``inspect`` reads them. ``inspect`` finds the end by tokenizing the file from the ``def``
+    on, a millisecond or two of a layer's first call. Whatever that cannot give (no positions,
+    lines that do not parse as one ``def`` of that name) is read by ``inspect.getsource``. A
+    wrapper (``functools.wraps``) reads as the function it wraps, as in ``inspect``. Parsed
+    once: the check that the lines are the ``def`` is the parse its readers use."""
     func = inspect.unwrap(func)
     code = getattr(func, "__code__", None)
     last = _last_line(code) if code is not None else None
@@ -136,8 +143,9 @@ def def_source(func):
                 body = None
             if body and len(body) == 1 and isinstance(body[0], ast.FunctionDef) \
                     and body[0].name == code.co_name:
-                return src
-    return textwrap.dedent(inspect.getsource(func))
+                return body[0], src
+    src = textwrap.dedent(inspect.getsource(func))
+    return ast.parse(src).body[0], src
 
 
 def _last_line(code):
@@ -162,8 +170,7 @@ def _parse_definition(func):
     """``(ast node, source text)`` of ``func``: its own source for a ``def``; for a lambda the
     whole file, since the lines of a lambda are often not a statement on their own."""
     if func.__name__ != "<lambda>":
-        src = def_source(func)
-        node = ast.parse(src).body[0]
+        node, src = parsed_def(func)
         if not isinstance(node, ast.FunctionDef) or node.decorator_list:
             raise SyntaxError("not a plain (undecorated) def")
         return node, src

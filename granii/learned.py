@@ -616,13 +616,15 @@ def _trees_dir(granii_cache):
 def _mapped(path):
     """The int32 values of the file at ``path``, mapped into memory, not read: a prediction's
     walk touches a few nodes of each tree, so a model costs the pages it reads (0.8 ms for the
-    dozen models of a first call, against 3 ms read whole). The cache files are written beside
-    and renamed over (``_cache_trees``), never rewritten in place, so a mapping stays whole."""
+    dozen models of a first call, against 3 ms read whole). The mapping is private (copy on
+    write: a write would stay in this process; the walks only read) and so writable, as torch
+    wants the arrays it takes. The cache files are written beside and renamed over
+    (``_cache_trees``), never rewritten in place, so a mapping stays whole."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if os.fstat(fd).st_size == 0:
             return np.empty(0, dtype="<i4")
-        data = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        data = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)    # private: torch takes it as is
     finally:
         os.close(fd)
     return np.frombuffer(data, dtype="<i4", count=len(data) // 4)

@@ -229,9 +229,10 @@ def test_cached_arrays_are_read_without_copies_and_a_bad_index_raises_in_either_
 
 def test_cached_models_are_mapped_and_a_rewritten_cache_leaves_the_mapping_whole(
         copy_dir, tmp_path, monkeypatch):
-    """A cached model's arrays are the file's pages mapped read-only (a first call reads a dozen
-    models and walks a few nodes of each); a cache file written again meanwhile is renamed over
-    the old one, so the models already mapped keep predicting what they did."""
+    """A cached model's arrays are the file's pages mapped (a first call reads a dozen models and
+    walks a few nodes of each), privately: torch takes them without a warning, and a write would
+    not reach the file; a cache file written again meanwhile is renamed over the old one, so the
+    models already mapped keep predicting what they did."""
     import mmap
     monkeypatch.setenv("GRANII_CACHE", str(tmp_path / "cache"))
     sha = json.loads((copy_dir / MANIFEST).read_text())["models"]["gemm/torch"]["sha256"]
@@ -241,9 +242,16 @@ def test_cached_models_are_mapped_and_a_rewritten_cache_leaves_the_mapping_whole
     base = cached.left
     while isinstance(base, np.ndarray):
         base = base.base
-    assert isinstance(getattr(base, "obj", base), mmap.mmap) and not cached.left.flags.writeable
+    assert isinstance(getattr(base, "obj", base), mmap.mmap)
     x = np.random.default_rng(1).random((4, cached.num_features), dtype=np.float32)
-    before = cached.predict(x, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before = cached.predict(x, 0.5)
+    on_disk = learned.trees_cache(sha).read_bytes()
+    cached.left[0, 0] += 1                            # a write to the mapping: not to the file
+    assert learned.trees_cache(sha).read_bytes() == on_disk
+    assert learned._cached_trees(sha).left[0, 0] == cached.left[0, 0] - 1
+    cached.left[0, 0] -= 1
     other = Trees(json.loads((copy_dir / "spmm__dgl.json").read_text()))
     learned._cache_trees(sha, other)                  # another model under the same name
     assert np.array_equal(cached.predict(x, 0.5), before)

@@ -10,8 +10,9 @@ of graph ``b`` contiguous (rows ``offsets[b]:offsets[b+1]`` of ``X``), so ``R`` 
 row pointers ``offsets`` and column indices ``0 .. N-1``: the native SpMM sums each segment (a
 tenth of DGL's readout call on a batch of small graphs), and the gradient ``R^T C^-1 dY`` copies
 each graph's row of ``dY`` back to its nodes (``index_select`` by the graph of each node, found
-once per batch). Without the native kernels, or for dtypes they do not take, ``index_add_``
-computes the same sum.
+once per batch), both in C++ (``granii::segment_sum``, ``csrc/readout.cpp``: no Python in the
+forward or the backward). Without the native kernels, or for dtypes they do not take,
+``index_add_`` computes the same sum.
 """
 import torch
 
@@ -40,26 +41,6 @@ def _iota(n):
     return _IOTA[0][:n]
 
 
-class _SegmentSum(torch.autograd.Function):
-    """``Y = diag(scale) R X`` (``scale`` ``None``: ones), ``X`` ``(N, width)``."""
-
-    @staticmethod
-    def forward(ctx, x, indptr, indices, counts, scale, gi):
-        ctx.save_for_backward(counts, scale)
-        ctx.gi = gi
-        n, width = x.shape
-        y = torch.ops.granii.spmm_csr(indptr, indices, x.reshape(n, 1, width), None, None,
-                                      scale, None, None, 0, 0, None)
-        return y.reshape(indptr.numel() - 1, width)
-
-    @staticmethod
-    def backward(ctx, gy):
-        counts, scale = ctx.saved_tensors
-        if scale is not None:
-            gy = gy * scale.unsqueeze(1)
-        return gy.index_select(0, _graph_of_node(ctx.gi, counts)), None, None, None, None, None
-
-
 def _graph_of_node(gi, counts):
     """The graph of each node of ``gi``'s batch (``R^T`` as an index: ``R^T dY = dY[graph]``),
     once per batch: the readouts after every layer of a model share it."""
@@ -74,14 +55,15 @@ def _graph_of_node(gi, counts):
 
 
 def _readout(gi, x, mean):
-    counts, csr, _ = segments(gi)
+    counts, csr, graph_of_node = segments(gi)
     g = counts.numel()
     flat = x.reshape(x.shape[0], -1)
     scale = counts.to(x.dtype).clamp(min=1).reciprocal() if mean else None
-    if (csr is not None and x.dtype in (torch.float32, torch.float64) and flat.shape[0] > 0
+    if (csr is not None and graph_of_node is not None
+            and x.dtype in (torch.float32, torch.float64) and flat.shape[0] > 0
             and flat.shape[1] > 0):
-        y = _SegmentSum.apply(flat.contiguous(), csr[0], csr[1], counts,
-                              None if scale is None else scale.contiguous(), gi)
+        y = torch.ops.granii.segment_sum(flat, csr[0], csr[1], graph_of_node,
+                                         None if scale is None else scale.contiguous())
     else:
         y = flat.new_zeros((g, flat.shape[1])).index_add_(0, _graph_of_node(gi, counts), flat)
         if scale is not None:

@@ -23,10 +23,10 @@ CSRC = Path("granii", "kernels", "csrc")
 # Files whose operators no profiled timing runs. The profiler times each primitive after a warm-up
 # call that built the graph's indices, so the index builders run outside the timings (csr.cpp);
 # the others hold no primitive the profiler measures: dropout's mask, the per-edge messages of
-# GINE and GATv2 (priced analytically), the segment and sparse-row products (priced as torch's
-# GEMM), the cost models' tree walk, and the module's import.
+# GINE and GATv2 (priced analytically), the readout, the segment and sparse-row products (priced
+# as torch's GEMM), the cost models' tree walk, and the module's import.
 UNTIMED = frozenset({"bernoulli.cpp", "csr.cpp", "edge_message.cpp", "forest.cpp", "module.cpp",
-                     "segment_mm.cpp", "sparse_rows.cpp"})
+                     "readout.cpp", "segment_mm.cpp", "sparse_rows.cpp"})
 
 
 def source_files(root):

@@ -847,3 +847,47 @@ def test_the_loaded_library_says_its_timed_hash_and_the_fingerprint_records_it()
     from granii.kernels import sources
     assert native.kernels_sha(native._MODULE) == sources.kernels_sha(ROOT)
     assert fingerprint.machine_fingerprint()["native"] == sources.kernels_sha(ROOT)
+
+
+# -- the plain product's gradient in C++ ---------------------------------------------------------
+def _granii_ops(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        fn()
+    return {e.name for e in p.events() if e.name.startswith("granii::")}
+
+
+@needs_native
+@pytest.mark.parametrize("act", [None, "relu"])
+def test_a_plain_product_runs_its_gradient_in_cpp_once_the_transpose_is_made(act):
+    """``act(diag(r) A diag(c) X + R)`` with constant scales: the first backward on a graph
+    makes ``A^T``'s index (``_SpmmFn``), later calls run ``granii::spmm_autograd`` (forward and
+    backward in C++) with ``_SpmmFn``'s outputs and gradients, double backward included; scales
+    that need gradients keep ``_SpmmFn``; without gradients, the kernel alone."""
+    g = dgl.add_self_loop(dgl.rand_graph(50, 300))
+    gi = graph_info(g)
+    torch.manual_seed(0)
+    x = torch.randn(50, 2, 3, dtype=torch.float64, requires_grad=True)
+    res = torch.randn(50, 6, dtype=torch.float64, requires_grad=True)
+    d = torch.rand(50, dtype=torch.float64) + 0.5
+
+    def run(**kw):
+        return native.spmm_norm_native(gi, d, d.flip(0), x, act=act, res=res, **kw)
+
+    first = _granii_ops(lambda: run().sum().backward())
+    assert "granii::spmm_autograd" not in first and ("native_csr", "at") in gi.cache
+    gx, gres = x.grad.clone(), res.grad.clone()
+    x.grad = res.grad = None
+    later = _granii_ops(lambda: run().sum().backward())
+    assert "granii::spmm_autograd" in later
+    torch.testing.assert_close(x.grad, gx)
+    torch.testing.assert_close(res.grad, gres)
+    assert torch.autograd.gradcheck(lambda a, b: native.spmm_norm_native(
+        gi, d, d.flip(0), a, act=act, res=b), (x, res))
+    assert torch.autograd.gradgradcheck(lambda a, b: native.spmm_norm_native(
+        gi, d, d.flip(0), a, act=act, res=b), (x, res))
+    learned = d.clone().requires_grad_()
+    assert "granii::spmm_autograd" not in _granii_ops(
+        lambda: native.spmm_norm_native(gi, learned, None, x, act=act).sum().backward())
+    assert learned.grad is not None
+    with torch.no_grad():
+        assert _granii_ops(run) == {"granii::spmm_csr"}

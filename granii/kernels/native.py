@@ -416,9 +416,34 @@ def _run(gi, x, w=None, heads=1, d_dst=None, d_src=None, bias=None, act=0, res=N
             y = _run(gi, x, user_w, heads, d_dst, d_src, bias) + res
             return torch.relu(y) if act else y
         res = r2
-    y = _SpmmFn.apply(x, w, _vec(d_dst, gi.num_dst, dt, "d_dst"),
-                      _vec(d_src, gi.num_src, dt, "d_src"), bias, gi, act, "a", vals, res, heads)
+    r, c = _vec(d_dst, gi.num_dst, dt, "d_dst"), _vec(d_src, gi.num_src, dt, "d_src")
+    y = None
+    if w is None and bias is None:
+        y = _plain_product(gi, x, r, c, act, res, heads)
+    if y is None:
+        y = _SpmmFn.apply(x, w, r, c, bias, gi, act, "a", vals, res, heads)
     return y.reshape(gi.num_dst, *x.shape[1:])
+
+
+def _plain_product(gi, x, r, c, act, res, heads):
+    """``act(diag(r) A diag(c) X + R)`` without a Python autograd function: the kernel alone
+    where no gradient is wanted, else ``granii::spmm_autograd`` (``csrc/spmm_autograd.cpp``: the
+    same product and gradients as ``_SpmmFn`` with constant scales, in C++). ``None`` where
+    ``_SpmmFn`` is needed: scales that want gradients, or a backward that would need ``A^T``'s
+    index before it is made (it is made by the first backward on a graph, or with ``A``'s by
+    the first count of a new graph in training; a call that makes it here for an inference
+    would pay a count no backward reads)."""
+    grad = torch.is_grad_enabled()
+    if grad and ((r is not None and r.requires_grad) or (c is not None and c.requires_grad)):
+        return None
+    a = csr_index(gi, "a")
+    if not grad or not (x.requires_grad or (res is not None and res.requires_grad)):
+        return _op(a, x.reshape(x.shape[0], heads, -1).contiguous(), None, r, c, None, act, res)
+    at = gi.cache.get(("native_csr", "at"))
+    if at is None:
+        return None
+    return torch.ops.granii.spmm_autograd(x, a.indptr, a.indices, at.indptr, at.indices, r, c,
+                                          act, res, heads)
 
 
 def _residual(res, rows, width, dtype):

@@ -54,9 +54,9 @@ class NativeKernelsUnavailable(UserWarning):
 
 
 def sources_sha():
-    """Hash of the sources the extension is built from (``csrc/*`` and ``setup.py``,
-    ``kernels/sources.py``); the same value ``setup.py`` compiles into the library. ``None``
-    without the sources (a wheel install)."""
+    """Hash of the sources the extension is built from (``csrc/*`` and ``setup.py``, as
+    ``kernels/sources.py`` reads them); the same value ``setup.py`` compiles into the library.
+    ``None`` without the sources (a wheel install)."""
     return _sources.sources_sha(ROOT)
 
 

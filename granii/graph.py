@@ -307,12 +307,6 @@ class GraphInfo:
             self.cache["segments"] = (given, given._version, value)
         return value
 
-    def kept_segments(self):
-        """What ``segments`` last returned, without reading the graph (which may be gone by a
-        backward), or ``None``."""
-        hit = self.cache.get("segments")
-        return None if hit is None else hit[2]
-
     def edges(self):
         """``(src, dst)`` node ids of each edge, in edge-id order."""
         def make():

@@ -603,13 +603,15 @@ def trees_cache(sha256):
 
 
 def _trees_path(sha256):
-    return os.path.join(_trees_dir(os.environ.get("GRANII_CACHE")), f"{sha256}.i32")
+    env = os.environ
+    return os.path.join(_trees_dir(env.get("GRANII_CACHE"), env.get("HOME")), f"{sha256}.i32")
 
 
 @functools.lru_cache(maxsize=8)
-def _trees_dir(granii_cache):
-    """The folder of the cached models for this value of ``GRANII_CACHE`` (a first call reads a
-    dozen models: the home folder is looked up once, not for each)."""
+def _trees_dir(granii_cache, home):
+    """The folder of the cached models for these values of ``GRANII_CACHE`` and ``HOME``, what
+    ``calibration.cache_dir`` reads (a first call reads a dozen models: the folder is found
+    once, not for each)."""
     return os.path.join(cache_dir(), "trees")
 
 

@@ -6,6 +6,7 @@ import torch
 
 from granii.fingerprint import machine_fingerprint
 from granii.graph import GraphInfo
+from granii.kernels import native
 from granii.learned import TRAIN_GRADS, LearnedCost, load
 from granii.profiling import generators as gen
 from granii.profiling import points as pts
@@ -375,8 +376,7 @@ def test_the_contention_probe_runs_in_torchs_thread_pool(monkeypatch):
     assert probe.seconds() > 0
 
 
-@pytest.mark.skipif(not __import__("granii.kernels.native", fromlist=["x"]).AVAILABLE,
-                    reason="native kernels not built")
+@pytest.mark.skipif(not native.AVAILABLE, reason="native kernels not built")
 @pytest.mark.parametrize("phase", ["forward", "train"])
 def test_profiled_timings_run_no_operator_of_an_untimed_file(phase):
     """The models record the hash of the kernel files their timings ran (``kernels/sources.py``):
@@ -384,8 +384,7 @@ def test_profiled_timings_run_no_operator_of_an_untimed_file(phase):
     only, so ``UNTIMED`` may change without voiding them."""
     import re
     from granii.kernels import sources
-    from granii.kernels.native import CSRC
-    owner = {name: p.name for p in CSRC.glob("*.cpp")
+    owner = {name: p.name for p in native.CSRC.glob("*.cpp")
              for name in re.findall(r'm\.def\(\s*"(\w+)\(', p.read_text())}
     assert owner["coo_to_csr"] == "csr.cpp" and owner["sddmm_add_coo"] == "gat.cpp"
     config = tiny(ks=[8], heads=[2], gat_f=[4], row_n=[50], row_k=[8],

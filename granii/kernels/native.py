@@ -202,6 +202,11 @@ def csr_index(gi, which="a"):
     return gi.memo(("native_csr", which), make)
 
 
+def made_csr_index(gi, which="a"):
+    """``csr_index(gi, which)`` when it is already made, else ``None`` (nothing is built)."""
+    return gi.cache.get(("native_csr", which))
+
+
 def degree_scales(gi, a, b, dtype=torch.float32):
     """``(D_in^a, D_out^b)``: destination in-degrees and source out-degrees clamped to 1, raised to
     ``a`` and ``b`` (``None`` for a power of 0), once per graph and dtype. GCN's ``norm="both"`` is
@@ -439,7 +444,7 @@ def _plain_product(gi, x, r, c, act, res, heads):
     a = csr_index(gi, "a")
     if not grad or not (x.requires_grad or (res is not None and res.requires_grad)):
         return _op(a, x.reshape(x.shape[0], heads, -1).contiguous(), None, r, c, None, act, res)
-    at = gi.cache.get(("native_csr", "at"))
+    at = made_csr_index(gi, "at")
     if at is None:
         return None
     return torch.ops.granii.spmm_autograd(x, a.indptr, a.indices, at.indptr, at.indices, r, c,

@@ -43,10 +43,8 @@ def _iota(n):
 
 def _graph_of_node(gi, counts):
     """The graph of each node of ``gi``'s batch (``R^T`` as an index: ``R^T dY = dY[graph]``),
-    once per batch: the readouts after every layer of a model share it."""
-    made = gi.kept_segments()                # the graph itself may be gone in a backward
-    if made is not None and made[0] is counts and made[3] is not None:
-        return made[3]
+    where the segments did not come with it, once per batch: the readouts after every layer of
+    a model share it."""
     hit = gi.cache.get("readout_graph_of_node")
     if hit is None or hit[0] is not counts:
         hit = gi.cache["readout_graph_of_node"] = (
@@ -65,7 +63,9 @@ def _readout(gi, x, mean):
         y = torch.ops.granii.segment_sum(flat, csr[0], csr[1], graph_of_node,
                                          None if scale is None else scale.contiguous())
     else:
-        y = flat.new_zeros((g, flat.shape[1])).index_add_(0, _graph_of_node(gi, counts), flat)
+        if graph_of_node is None:
+            graph_of_node = _graph_of_node(gi, counts)
+        y = flat.new_zeros((g, flat.shape[1])).index_add_(0, graph_of_node, flat)
         if scale is not None:
             y = y * scale.unsqueeze(1)
     return y.reshape(g, *x.shape[1:])

@@ -155,3 +155,24 @@ def test_fast_dropout_can_be_turned_off(monkeypatch):
     before = D.used[0]
     _step(model, torch.randn(600, 16), torch.randint(0, 600, (2, 3000)))
     assert D.used[0] == before
+
+
+def test_the_draw_check_runs_at_the_first_draw_not_at_wrapping(monkeypatch):
+    # the check costs a millisecond of every first call: a model that never drops out in
+    # training never runs it, one that does runs it once, at its first draw
+    checks = []
+    monkeypatch.setattr(D, "_CHECKED", [])
+    real = D.draws_as_torch
+    monkeypatch.setattr(D, "draws_as_torch", lambda: checks.append(1) or real())
+    x, ei = torch.randn(600, 16), torch.randint(0, 600, (2, 3000))
+    model = _model().eval()
+    with torch.no_grad():
+        granii(model, x, ei)
+        model(x, ei)
+    assert checks == []
+    model.train()
+    before = D.used[0]
+    _step(model, x, ei)
+    _step(model, x, ei)
+    assert checks == [1]
+    assert D.used[0] - before == (4 if D._CHECKED[0] else 0)

@@ -11,7 +11,7 @@ the default generator's mt19937 exactly as torch's kernel does: the same mask, t
 generator state after, the same autograd graph (``x * noise``). Whether the running torch draws
 that way is checked once per process on a private generator (``draws_as_torch``); torch builds
 that draw with MKL's generator (torch 2.1 on Intel processors) fail it and keep their own,
-already fast, kernel.
+already fast, kernel. The check runs at the first draw granii would make, not before.
 
 The faster draw is used only inside granii's scope: ``install(model)`` adds forward hooks to
 the model given to ``granii(...)`` that point ``torch.nn.functional.dropout`` (which PyG's
@@ -44,12 +44,19 @@ def is_dropout(fn):
     return fn is TORCH_DROPOUT or fn is dropout
 
 
-def enabled():
-    """Whether granii's draw may replace torch's in this process: the native kernel is built,
-    ``GRANII_FAST_DROPOUT`` is not ``0``, and the running torch draws as it does."""
+def allowed():
+    """Whether granii's draw may be tried in this process: the native kernel is built and
+    ``GRANII_FAST_DROPOUT`` is not ``0``."""
     if not native.AVAILABLE or not hasattr(torch.ops.granii, "bernoulli_"):
         return False
-    if os.environ.get("GRANII_FAST_DROPOUT", "1").strip() == "0":
+    return os.environ.get("GRANII_FAST_DROPOUT", "1").strip() != "0"
+
+
+def enabled():
+    """Whether granii's draw replaces torch's in this process: it is ``allowed`` and the running
+    torch draws as it does (checked once, at the first dropout granii would draw for: a model
+    without dropout in training never pays the check's millisecond)."""
+    if not allowed():
         return False
     if not _CHECKED:
         _CHECKED.append(draws_as_torch())
@@ -80,7 +87,7 @@ def _ours(x, p, training):
 
 def dropout(input, p=0.5, training=True, inplace=False):
     """``torch.nn.functional.dropout``, with granii's draw where it applies (module docstring)."""
-    if not _ours(input, p, training):
+    if not _ours(input, p, training) or not enabled():
         return TORCH_DROPOUT(input, p, training, inplace)
     noise = torch.empty_like(input)
     torch.ops.granii.bernoulli_(noise, 1 - p)
@@ -91,7 +98,7 @@ def dropout(input, p=0.5, training=True, inplace=False):
 
 def install(model):
     """Hooks on ``model`` that put ``dropout`` in place while it runs (once per model)."""
-    if model in _HOOKS or not enabled():
+    if model in _HOOKS or not allowed():
         return
     _HOOKS[model] = (model.register_forward_pre_hook(_enter),
                      # also after a forward that raised, so the scope always closes

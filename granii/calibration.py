@@ -60,6 +60,8 @@ import os
 import time
 from pathlib import Path
 
+from .diskcache import cache_dir  # noqa: F401 (granii.calibration.cache_dir, as before)
+
 
 # name -> (primitive, implementation, graph, sizes); a graph ``(n, m, seed)`` is the undirected
 # ``granii.reference.uniform(n, m, seed)`` (2 m edges), ``None`` for a dense primitive
@@ -88,10 +90,6 @@ BUSY_AGAIN = 600.0      # seconds a busy verdict is kept before processes measur
 def prim_class(prim):
     """The reference a primitive scales with: ``gemm``, ``stream`` or (every sparse one) ``sparse``."""
     return CLASS.get(prim, "sparse")
-
-
-def cache_dir():
-    return Path(os.environ.get("GRANII_CACHE", Path.home() / ".cache" / "granii"))
 
 
 class _Graphs(dict):

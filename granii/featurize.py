@@ -108,12 +108,13 @@ def _locality(indptr, indices, n):
     e = len(indices)
     if e == 0 or n == 0:
         return 0.0, 0.0
-    if e <= LOCALITY_SAMPLES:
-        pos = np.arange(e, dtype=np.int64)
+    if e <= LOCALITY_SAMPLES:         # every edge: each row's number repeated per edge
+        rows = np.repeat(np.arange(len(indptr) - 1, dtype=np.int64), np.diff(indptr))
+        dist = np.abs(indices - rows).astype(np.float64)
     else:
         pos = np.arange(LOCALITY_SAMPLES, dtype=np.int64) * e // LOCALITY_SAMPLES
-    rows = np.searchsorted(indptr, pos, side="right") - 1
-    dist = np.abs(indices[pos] - rows).astype(np.float64)
+        rows = np.searchsorted(indptr, pos, side="right") - 1
+        dist = np.abs(indices[pos] - rows).astype(np.float64)
     return float(dist.mean()) / n, float(np.log2(1 + dist).mean()) / math.log2(1 + n)
 
 

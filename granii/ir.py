@@ -47,7 +47,8 @@ Nodes are immutable and hashable, so equal sub-expressions compare equal (used f
 keys of once-per-graph values). Shapes are symbols: ``N_src``, ``N_dst`` on a block (N_dst <= N_src:
 the destinations are a prefix of the sources), ``N`` for both on a graph, ``k_in``, ``k_out``, ``1``.
 """
-from dataclasses import dataclass, field, replace
+import sys
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 DENSE, SPARSE = "dense", "sparse"
 DATA, WEIGHT = "data", "weight"
@@ -470,3 +471,44 @@ def factor_common_prefix(a, b):
     if n == 0:
         return None
     return matmul(*fa[:n], Add(matmul(*fa[n:]), matmul(*fb[n:])))
+
+
+class Unstable(ValueError):
+    """A value with no text that names it the same way in every process (a lambda, a closure, an
+    object of no known structure)."""
+
+
+def stable_text(value):
+    """Text that names ``value`` (an IR tree, with the sizes and functions it holds) the same way
+    in every process, and names two values alike only when they compare equal: an IR node by its
+    class and the fields it compares by; a function or class by the module and qualified name
+    that find it again; an object whose class lists ``stable_fields`` by those attributes.
+    ``Unstable`` for anything else: such a tree is never looked up across processes."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return f"{type(value).__name__}:{value!r}"
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}(" + ",".join(stable_text(v) for v in value) + ")"
+    cls = type(value)
+    if is_dataclass(value) and not isinstance(value, type):
+        parts = (f"{f.name}={stable_text(getattr(value, f.name))}" for f in fields(value)
+                 if f.compare)
+        return f"{_qualified(cls)}(" + ",".join(parts) + ")"
+    names = getattr(cls, "stable_fields", None)
+    if names is not None:
+        return f"{_qualified(cls)}(" + ",".join(stable_text(getattr(value, n)) for n in names) + ")"
+    if callable(value):
+        return "fn:" + _qualified(value)
+    raise Unstable(f"{cls.__name__} has no stable text")
+
+
+def _qualified(obj):
+    """``module:name`` of a function or class that this name finds again (its qualified name, or
+    for a builtin such as ``torch.relu`` its plain name in its module), else ``Unstable``."""
+    module = getattr(obj, "__module__", None)
+    for name in (getattr(obj, "__qualname__", None), getattr(obj, "__name__", None)):
+        found = sys.modules.get(module) if isinstance(module, str) and name else None
+        for part in (name or "<").split("."):
+            found = None if part.startswith("<") else getattr(found, part, None)
+        if found is obj:
+            return f"{module}:{name}"
+    raise Unstable(f"{obj!r} cannot be found again by its name")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import ir, kernels
+from . import diskcache, ir, kernels
 from .enumerate import Node, steps as tree_steps, tree_calls  # noqa: F401 (re-exported)
 from .prune import signature
 
@@ -467,7 +467,7 @@ def compile_plan(plan, impls):
         if step.prim not in INLINE and f"{step.prim}_{impl}" not in ns:
             ns[f"{step.prim}_{impl}"] = kernels.get(step.prim, impl)
     ns.update({f"f_{var}": ref[1] for var, ref in plan.applies.items() if ref[0] == "function"})
-    exec(compile(src, f"<granii plan {plan.index}>", "exec"), ns)
+    exec(diskcache.compiled(src, f"<granii plan {plan.index}>"), ns)
     fn = ns[f"plan_{plan.index}"]
     # whether it may draw random numbers: only the applied modules and functions (dropout) do
     fn.draws = any(step.prim == "apply" for step in plan.steps)

@@ -1,7 +1,8 @@
 """A later fresh process's first ``granii(...)`` reads what the first one cached instead of
 redoing it: no model file parsed or even read (the parsed trees are cached under each file's
 hash), no reference graph built to predict a transferred folder's reference calls (stored in its
-manifest), no calibration measured (cached per machine). Each process is a real one (subprocess);
+manifest), no calibration measured (cached per machine), no plan enumerated and no generated
+code compiled (``granii.diskcache``). Each process is a real one (subprocess);
 nothing here is timed."""
 import json
 import os
@@ -21,8 +22,9 @@ import torch
 torch.set_num_threads(2)
 import dgl
 from dgl.nn import GraphConv
-from granii import calibration, learned, reference
-from granii import granii
+from granii import calibration, diskcache, learned, reference
+from granii import api as granii_api, granii
+from granii.runtime import variants
 
 strict = sys.argv[1] == "strict"
 calibration.measure = lambda repeat=7: {"stream": 2e-3, "gemm": 4e-3, "sparse": 6e-3,
@@ -34,6 +36,8 @@ if strict:
     reference.uniform = boom                       # no reference graph built
     calibration.measure = boom                     # no calibration measured
     learned.Trees.__init__ = boom                  # no model file parsed
+    variants._enumerate = boom                     # no plan enumerated
+    diskcache.compile = boom                       # no plan or check compiled
     real_read = Path.read_bytes
     def recorded(self):
         if self.suffix == ".json":
@@ -50,7 +54,9 @@ with torch.no_grad():
     got = layer(g, x)
 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 model = learned.default_cost_model()
-print("RESULT " + json.dumps({"read": read, "model": model.name}))
+ran = next(iter(granii_api.what_ran(layer).values()))
+print("RESULT " + json.dumps({"read": read, "model": model.name, "ran": ran.kind,
+                              "why": ran.reason}))
 """
 
 
@@ -88,6 +94,7 @@ def test_a_later_process_reads_what_the_first_cached(tmp_path, models):
     first = _run("first", env)
     later = _run("strict", env)
     assert later["read"] == [] and later["model"] == first["model"]
+    assert first["ran"] != "fallback" and later["ran"] != "fallback", later["why"]
     if models == "own":
         assert first["model"].startswith("learned (")
     assert any((tmp_path / "cache" / "trees").glob("*.i32"))

@@ -289,6 +289,7 @@ def test_appnp_edge_dropout_in_training_falls_back_with_reason_and_draws_as_dgl(
 # -- the budget ----------------------------------------------------------------------------------
 def test_a_spent_budget_associates_the_layer_as_written_and_explain_says_so(monkeypatch):
     monkeypatch.setenv("GRANII_DECISION_BUDGET", "1e-9")
+    monkeypatch.setenv("GRANII_DISK_CACHE", "0")     # the search itself, not a stored one
     g = undirected(40, 160)
     layer = TAGConv(6, 3, k=3)
     comp = compile_layer(layer, frozenset(), False)

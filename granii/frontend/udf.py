@@ -671,6 +671,7 @@ def constant_arguments(func, args, kwargs):
 class WithArgs:
     """``func(x, *args, **kwargs)`` as a function of ``x`` (``F.leaky_relu(x, 0.2)``); equal
     for equal constants, so equal code lowers to equal IR."""
+    stable_fields = ("func", "args", "kwargs")       # what it compares by (ir.stable_text)
 
     def __init__(self, func, args, kwargs):
         self.func, self.args, self.kwargs = func, tuple(args), tuple(sorted(kwargs.items()))

@@ -1,10 +1,12 @@
 """A layer's variants: its forward lowered per call signature and configuration, the
 configuration checks that say when a variant still holds, the enumeration cache, and the
 plans of a variant compiled to functions."""
+import pickle
 import warnings
 
 import torch
 
+from .. import diskcache, ir
 from ..enumerate import TooManyTrees, binary_orders, budget_seconds, enumerate_layer, layer_forest
 from ..enumerate import clock as enum_clock
 from ..frontend import FrontendError, RaisesForConfig, lower_layer
@@ -169,7 +171,7 @@ def compiled(lir, name):
     key = (lir.root, lir.heads)
     done = _ENUMERATED.get(key)
     if done is None:
-        done = _enumerate(lir, name)
+        done = _stored_enumeration(lir, name)
         if isinstance(done, Exception):
             return done
         if len(_ENUMERATED) >= _ENUMERATED_MAX:
@@ -178,6 +180,38 @@ def compiled(lir, name):
     n_trees, plans, n_promoted, n_orders, note = done
     leaves = {v: l for plan in plans for v, l in plan.leaves.items()}
     return Compiled(lir, n_trees, list(plans), leaves, n_promoted, n_orders, note)
+
+
+# the modules whose code decides what ``_enumerate`` returns for an IR (``ir`` included: its
+# classes are the key's); a test checks that it holds every granii module they import
+ENUMERATION_MODULES = ("granii.ir", "granii.enumerate", "granii.prune", "granii.plan",
+                       "granii.fuse", "granii.frontend.udf", "granii.frontend.ops",
+                       "granii.frontend.values", "granii.diskcache")
+
+
+def _stored_enumeration(lir, name):
+    """``_enumerate(lir, name)``, read from the disk cache (``diskcache``) when a process of this
+    granii has enumerated an equal IR before, else computed and stored there. The key is the
+    IR's ``ir.stable_text`` and the stamp of ``ENUMERATION_MODULES``; an IR without a stable
+    text (it holds a lambda), a search stopped by its budget, and a failure are not stored."""
+    try:
+        key = "\n".join([diskcache.stamp(*ENUMERATION_MODULES),
+                         ir.stable_text((lir.root, lir.heads))]).encode()
+    except ir.Unstable:
+        return _enumerate(lir, name)
+    data = diskcache.load("plans", key)
+    if data is not None:
+        try:
+            return pickle.loads(data)
+        except Exception:        # noqa: BLE001 - a damaged file: computed and stored again
+            pass
+    done = _enumerate(lir, name)
+    if not isinstance(done, Exception) and not done[4]:
+        try:
+            diskcache.store("plans", key, pickle.dumps(done, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:        # noqa: BLE001 - plans that do not pickle are not stored
+            pass
+    return done
 
 
 def _enumerate(lir, name):
@@ -249,12 +283,6 @@ def leaf_vals_order(plan):
     return [v for v, l in plan.leaves.items() if l.source[0] not in COMPUTED]
 
 
-_CHECK_CODE = {}
-
-
 def check_code(text, mode):
     """``compile(text)`` of a check kept from a layer's source, once per text."""
-    code = _CHECK_CODE.get((text, mode))
-    if code is None:
-        code = _CHECK_CODE[(text, mode)] = compile(text, "<check from the layer's source>", mode)
-    return code
+    return diskcache.compiled(text, "<check from the layer's source>", mode)

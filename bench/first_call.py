@@ -16,13 +16,17 @@ and DGL's own first ``model(g, x)`` in a process without granii (``dgl`` rows). 
 default ``HEAD``) is exported with ``git archive`` (its ``granii/`` and ``costmodels/``, the
 native build and ``data/`` of this checkout beside it) and its processes run in that folder, so
 two revisions are compared on the same machine, interleaved: for each repeat, every revision's
-process of every layer in turn. One unmeasured process per revision first fills the caches a
-machine keeps after its first run (parsed cost models, the calibration, Python's byte code), as
-later processes find them.
+process of every layer in turn. One unmeasured process per revision and layer first fills the
+caches a machine keeps after its first run (parsed cost models, the calibration, Python's byte
+code, granii's store of enumerated plans and compiled code: ``granii/diskcache.py``), as later
+processes find them.
 
 Scenarios: ``own``: this machine has its own cost models (a shipped folder copied under this
-machine's fingerprint, ``GRANII_COSTMODELS``); ``shipped``: the checkout's ``costmodels/`` as is
-(on a machine without its own models the closest shipped folder, rescaled by a calibration).
+machine's fingerprint, ``GRANII_COSTMODELS``); ``cold``: the same, with granii's store of plans
+and code turned off (``GRANII_DISK_CACHE=0``): a layer configuration this machine never ran,
+its plans enumerated and its code compiled in the process; ``shipped``: the checkout's
+``costmodels/`` as is (on a machine without its own models the closest shipped folder, rescaled
+by a calibration).
 
 Writes ``results/first_call/first_call.csv`` (one row per process) and ``first_call.md``
 (medians). Timings need a quiet machine: run it under ``flock -x /tmp/granii-cpu.lock``.
@@ -136,8 +140,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--revs", nargs="+", default=["HEAD"])
     ap.add_argument("--repeat", type=int, default=5, help="processes per layer and revision")
-    ap.add_argument("--scenarios", nargs="+", default=["own", "shipped"],
-                    choices=["own", "shipped"])
+    ap.add_argument("--scenarios", nargs="+", default=["own", "cold", "shipped"],
+                    choices=["own", "cold", "shipped"])
     ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
     ap.add_argument("--dgl", action=argparse.BooleanOptionalAction, default=True,
                     help="also time DGL's own first call (processes without granii)")
@@ -157,14 +161,17 @@ def main(argv=None):
             envs = {}
             for rev, tree in trees.items():
                 env = dict(base)
-                if scenario == "own":
+                if scenario == "cold":
+                    env["GRANII_DISK_CACHE"] = "0"
+                if scenario in ("own", "cold"):
                     folder = tmp / f"own-{commits[rev]}"
-                    src = own_models(tree, folder)
+                    if not folder.exists():
+                        src = own_models(tree, folder)
+                        print(f"{commits[rev]} with {src} as this machine's models", flush=True)
                     env["GRANII_COSTMODELS"] = str(folder)
-                    print(f"{scenario}: {commits[rev]} with {src} as this machine's models",
-                          flush=True)
                 envs[rev] = env
-                run_child(tree, args.layers[0], "granii", env)        # fills the caches
+                for layer in args.layers:                             # fills the caches
+                    run_child(tree, layer, "granii", env)
             for r in range(args.repeat):
                 for layer in args.layers:
                     start = len(rows)
@@ -206,7 +213,10 @@ def write(rows, args, commits):
              "`import`: `from granii import granii`; `models`: loading this machine's cost "
              "models; `granii`: `granii(model, g, x)` (parse, enumerate, decide, the deciding "
              "run); `call`: the first `model(g, x)` after it; `total`: their sum (torch and DGL "
-             "imported before). `dgl`: DGL's own first `model(g, x)` in a process without granii.",
+             "imported before). `dgl`: DGL's own first `model(g, x)` in a process without granii. "
+             "`own`: this machine's own cost models; `cold`: the same with granii's store of "
+             "enumerated plans and compiled code off (a layer configuration the machine never "
+             "ran); `shipped`: the checkout's cost models as they are.",
              "", "| scenario | layer | revision | import | models | granii | call | total |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
     keys = sorted({(r["scenario"], r["layer"], r["rev"], r["mode"]) for r in rows},

@@ -24,7 +24,6 @@ from .runtime.dispatch import Dispatcher, dispatcher_of, inspecting, layer_state
 from .runtime.state import Options, Ran, _any_requires_grad, is_pyg_layer
 from .runtime.variants import leaf_vals_order
 from .explain import explain
-from . import pyg  # noqa: F401  (binds PyTorch Geometric layers' calls for the dispatcher)
 from .kernels import dropout, pool
 from .plan import plan_code
 from .select import EXPECTED_CALLS

@@ -188,3 +188,26 @@ def test_shipped_cost_models_can_match_some_machine():
         missing = [k for k in FIELDS if fp.get(k) is None]
         assert not missing, f"costmodels/{folder.name} lacks {missing}: it can match no machine"
         assert fingerprint_id(fp) == folder.name == manifest["fingerprint_id"]
+
+
+def test_pyg_frontend_loads_with_the_first_pyg_layer():
+    """``import granii`` does not load PyTorch Geometric's frontend (milliseconds of a DGL user's
+    first call); wrapping a PyG layer does, and the layer then runs a plan."""
+    pytest.importorskip("torch_geometric")
+    code = (
+        "import sys, torch, granii\n"
+        "assert 'granii.pyg' not in sys.modules\n"
+        "from torch_geometric.nn import GCNConv\n"
+        "assert 'granii.pyg' not in sys.modules\n"
+        "torch.manual_seed(0)\n"
+        "conv, x = GCNConv(4, 4), torch.randn(30, 4)\n"
+        "ei = torch.randint(0, 30, (2, 90))\n"
+        "want = conv(x, ei)\n"
+        "granii.granii(conv, x, ei, tune=False)\n"
+        "torch.testing.assert_close(conv(x, ei), want, rtol=1e-4, atol=1e-5)\n"
+        "assert 'granii.pyg' in sys.modules\n"
+        "print(next(iter(granii.api.what_ran(conv).values())).kind)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["plan"]

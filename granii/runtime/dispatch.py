@@ -33,6 +33,7 @@ class Dispatcher:
     same options and no decisions: it decides again on its first call."""
 
     def __init__(self, layer, name, options):
+        _load_frontend(layer)
         self.layer = layer
         self.options = options
         self.state = new_state(layer, name)
@@ -59,8 +60,16 @@ class Dispatcher:
         return f"<granii dispatcher of {self.state.name if self.state else self._name}>"
 
 
+def _load_frontend(layer):
+    """Import PyTorch Geometric's frontend (it registers its binder, ``CALL_BINDERS``) when a
+    dispatcher is made for its first layer: a process without PyG layers never loads it."""
+    if is_pyg_layer(layer):
+        from .. import pyg  # noqa: F401
+
+
 def dispatch(state, options, layer, args, kwargs):
     if state is None:            # unpickled: the state is made on the first call
+        _load_frontend(layer)
         disp = layer.__dict__["forward"]
         state = disp.state = new_state(layer, disp._name)
     if autocast_on():

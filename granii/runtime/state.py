@@ -159,7 +159,8 @@ _INSPECTING = [False]
 
 
 # (claims(module), prepare(state, module, args, kwargs, reuse_inputs)) of frontends other than
-# DGL's: granii/pyg registers PyTorch Geometric's layers when imported (granii/api.py imports it)
+# DGL's: granii/pyg registers PyTorch Geometric's layers when imported (dispatch.Dispatcher
+# imports it for the first PyG layer)
 CALL_BINDERS = []
 _PYG_CLASSES = {}
 

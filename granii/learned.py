@@ -273,6 +273,28 @@ class Trees:
         trees.rows = np.arange(trees.left.shape[0])[None, :]
         return trees
 
+    @classmethod
+    def from_flat(cls, flat):
+        """The ensemble kept as one int32 array, as a cache file holds it (``_cached_trees``, its
+        header checked there): the native walk reads the array as it is; the arrays ``ARRAYS``
+        are views of it made when first read (``__getattr__``), for numpy."""
+        trees = cls.__new__(cls)
+        trees._flat = flat
+        trees.num_features, trees.depth = int(flat[2]), int(flat[3])
+        trees._checked = False
+        return trees
+
+    def __getattr__(self, name):
+        # only for an attribute not set: the arrays of an ensemble made by ``from_flat``
+        flat = self.__dict__.get("_flat")
+        if flat is None or name not in self.ARRAYS + ("rows",):
+            raise AttributeError(name)
+        t, w = int(flat[4]), int(flat[5])
+        self.left, self.right, self.feature, cond, self.default_left = flat[6:].reshape(5, t, w)
+        self.cond = cond.view(np.float32)
+        self.rows = np.arange(t)[None, :]
+        return getattr(self, name)
+
     def _depth(self):
         """Levels of the deepest tree: all trees' nodes, one level at a time from the roots."""
         tree = np.arange(self.left.shape[0])
@@ -297,10 +319,17 @@ class Trees:
         if walk is None:
             return self.predict_numpy(X, margin)
         import torch
-        if "_tensors" not in self.__dict__:     # in the dtypes they were read in: no copies
-            self._tensors = [torch.from_numpy(np.ascontiguousarray(getattr(self, name)))
-                             for name in self.ARRAYS]
-        sums = walk(*self._tensors, torch.from_numpy(np.ascontiguousarray(X)), self.depth)
+        x = torch.from_numpy(np.ascontiguousarray(X))
+        flat, flat_walk = self.__dict__.get("_flat"), _native_flat_walk()
+        if flat is not None and flat_walk is not None:
+            if "_flat_tensor" not in self.__dict__:
+                self._flat_tensor = torch.from_numpy(flat)
+            sums = flat_walk(self._flat_tensor, x)
+        else:
+            if "_tensors" not in self.__dict__:     # in the dtypes they were read in: no copies
+                self._tensors = [torch.from_numpy(np.ascontiguousarray(getattr(self, name)))
+                                 for name in self.ARRAYS]
+            sums = walk(*self._tensors, x, self.depth)
         return np.asarray(margin, dtype=np.float64) + sums.numpy()
 
     def predict_numpy(self, X, margin):
@@ -330,6 +359,15 @@ def _native_walk():
     except ImportError:             # no extension: numpy evaluates the trees
         return None
     return getattr(torch.ops.granii, "forest_predict", None) if native.AVAILABLE else None
+
+
+@functools.lru_cache(maxsize=None)
+def _native_flat_walk():
+    """``torch.ops.granii.forest_predict_flat`` when the native walk is there, else ``None``."""
+    if _native_walk() is None:
+        return None
+    import torch
+    return getattr(torch.ops.granii, "forest_predict_flat", None)
 
 
 # -- the cost model ---------------------------------------------------------------------------------
@@ -651,12 +689,9 @@ def _cached_trees(sha256):
                 (int(flat[0]), int(flat[1])) != (_CACHE_MAGIC, _CACHE_FORMAT):
             return None
         n_feat, depth, t, w = (int(v) for v in flat[2:6])
-        if t < 1 or w < 1 or flat.size != 6 + 5 * t * w:
+        if t < 1 or w < 1 or depth < 0 or flat.size != 6 + 5 * t * w:
             return None
-        left, right, feature, cond, default_left = flat[6:].reshape(5, t, w)
-        return Trees.from_arrays({"left": left, "right": right, "feature": feature,
-                                  "cond": cond.view(np.float32), "default_left": default_left,
-                                  "num_features": n_feat, "depth": depth}, checked=False)
+        return Trees.from_flat(flat)
     except (OSError, ValueError, EOFError):
         return None           # parsed again from the JSON, and the cache file written anew
 

@@ -227,6 +227,34 @@ def test_cached_arrays_are_read_without_copies_and_a_bad_index_raises_in_either_
         bad.predict_numpy(x, 0.5)
 
 
+def test_a_cached_model_is_walked_as_one_array(copy_dir, tmp_path, monkeypatch):
+    """A cached model is walked by ``forest_predict_flat`` over its file's one int32 array
+    (no tensor per array), with the leaves the per-array walk reaches; its arrays are made
+    only when numpy reads them; a header that does not match the array's length is refused."""
+    import torch
+    if learned._native_flat_walk() is None:
+        pytest.skip("needs granii's native kernels")
+    monkeypatch.setenv("GRANII_CACHE", str(tmp_path / "cache"))
+    sha = json.loads((copy_dir / MANIFEST).read_text())["models"]["spmm/dgl"]["sha256"]
+    load(copy_dir).predict("spmm", "dgl", _info(), {"k": 32})
+    cached = learned._cached_trees(sha)
+    assert "left" not in cached.__dict__ and "_tensors" not in cached.__dict__
+    x = np.random.default_rng(2).random((6, cached.num_features), dtype=np.float32)
+    calls = []
+    real = learned._native_flat_walk()
+    monkeypatch.setattr(learned, "_native_flat_walk", lambda: lambda *a: calls.append(1) or real(*a))
+    got = cached.predict(x, 0.25)
+    assert calls == [1] and "_tensors" not in cached.__dict__
+    per_array = learned._native_walk()(*(torch.from_numpy(np.ascontiguousarray(getattr(cached, n)))
+                                         for n in Trees.ARRAYS), torch.from_numpy(x),
+                                       cached.depth)
+    assert np.array_equal(got, 0.25 + per_array.numpy())
+    assert np.allclose(got, cached.predict_numpy(x, 0.25))
+    short = torch.from_numpy(np.fromfile(learned.trees_cache(sha), dtype="<i4")[:-1].copy())
+    with pytest.raises(RuntimeError, match="header does not match"):
+        real(short, torch.from_numpy(x))
+
+
 def test_cached_models_are_mapped_and_a_rewritten_cache_leaves_the_mapping_whole(
         copy_dir, tmp_path, monkeypatch):
     """A cached model's arrays are the file's pages mapped (a first call reads a dozen models and

@@ -9,6 +9,12 @@
 //       of its array raises instead of reading past it. Indices int64 or int32 (the cache of
 //       parsed models keeps int32, read without a copy), default_left bool or int32.
 //
+//   granii::forest_predict_flat(flat, x) -> (rows,) float64
+//       The same walk over an ensemble kept as one int32 array, as the cache of parsed models
+//       stores it (granii.learned._cached_trees): magic, format, num_features, depth, T, W, then
+//       left, right, feature, the bits of the float32 cond, default_left, each T x W. One mapped
+//       file is one tensor: a first call's dozen models cost no per-array tensors.
+//
 // numpy walks all trees one level at a time with a dozen array operations per level: about
 // 0.1 ms for one row, whatever the tree count. Ranking a layer's plans predicts a few dozen
 // rows one at a time, so the walk here (microseconds per row, one thread) is what keeps the
@@ -96,15 +102,37 @@ at::Tensor forest_predict(const at::Tensor& left, const at::Tensor& right,
   return out;
 }
 
+at::Tensor forest_predict_flat(const at::Tensor& flat, const at::Tensor& x) {
+  const char* name = "forest_predict_flat";
+  TORCH_CHECK(flat.dim() == 1 && flat.scalar_type() == at::kInt && flat.is_contiguous() &&
+                  flat.device().is_cpu() && flat.numel() >= 6,
+              name, ": the ensemble must be a contiguous int32 CPU array with its 6-value header");
+  const int32_t* p = flat.data_ptr<int32_t>();
+  const int64_t nf = p[2], depth = p[3], trees = p[4], width = p[5];
+  TORCH_CHECK(trees >= 1 && width >= 1 && depth >= 0 && flat.numel() == 6 + 5 * trees * width,
+              name, ": the header does not match the array's length");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
+                  x.device().is_cpu() && x.size(1) == nf,
+              name, ": x must be a contiguous (rows, ", nf, ") float32 CPU array");
+  const int64_t n = trees * width;
+  const int32_t* body = p + 6;
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kDouble));
+  walk(body, body + n, body + 2 * n, reinterpret_cast<const float*>(body + 3 * n), body + 4 * n,
+       x.data_ptr<float>(), trees, width, x.size(0), nf, depth, out.data_ptr<double>(), name);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(granii, m) {
   m.def("forest_predict(Tensor left, Tensor right, Tensor feature, Tensor cond, "
         "Tensor default_left, Tensor x, int depth) -> Tensor");
+  m.def("forest_predict_flat(Tensor flat, Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(granii, CPU, m) {
   m.impl("forest_predict", &forest_predict);
+  m.impl("forest_predict_flat", &forest_predict_flat);
 }
 
 }  // namespace granii

@@ -68,16 +68,20 @@ def store(kind, key, data):
 
 def stamp(*modules):
     """The Python version and ``(file, size, modification time)`` of each module's source, as a
-    string (what Python's byte-code cache checks; computed once per process)."""
-    got = _STAMPS.get(modules)
-    if got is None:
+    string (what Python's byte-code cache checks; computed once per process), or ``None`` when
+    a module has no file to read them from (imported from a zip, say): nothing keyed by it is
+    stored."""
+    if modules not in _STAMPS:
         parts = [sys.implementation.cache_tag or "", sys.version]
-        for name in modules:
-            f = sys.modules[name].__file__
-            st = os.stat(f)
-            parts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")
-        got = _STAMPS[modules] = "\n".join(parts)
-    return got
+        try:
+            for name in modules:
+                f = sys.modules[name].__file__
+                st = os.stat(f)
+                parts.append(f"{f}:{st.st_size}:{st.st_mtime_ns}")
+        except (OSError, TypeError, AttributeError):
+            parts = None
+        _STAMPS[modules] = None if parts is None else "\n".join(parts)
+    return _STAMPS[modules]
 
 
 def compiled(src, filename, mode="exec"):

@@ -47,6 +47,8 @@ FEATURE_NAMES = (
     + ["locality_dist", "locality_log_dist"]
 )
 
+_EDGES, _SRC, _DST = (FEATURE_NAMES.index(n) for n in ("num_edges", "num_src", "num_dst"))
+
 
 def _div(a, b):
     return a / b if b else 0.0
@@ -188,8 +190,8 @@ def feature_names(size_names):
 def featurize(gi, sizes):
     """Graph features followed by embedding-size features, float64, in ``feature_names(sizes)``
     order. ``sizes`` maps size names to values, e.g. ``{"k_in": 32, "k_out": 256}``."""
-    g = graph_features(gi)
-    e, src, dst = g["num_edges"], g["num_src"], g["num_dst"]
+    row = gi.memo("graph_feature_row", lambda: [graph_features(gi)[n] for n in FEATURE_NAMES])
+    e, src, dst = row[_EDGES], row[_SRC], row[_DST]
     keys = sorted(sizes)
     vals = []
     for k in keys:
@@ -199,7 +201,7 @@ def featurize(gi, sizes):
         for b in keys[i + 1:]:
             p = float(sizes[a]) * float(sizes[b])
             vals += [p, dst * p, src * p, math.log2(1 + dst * p)]
-    return np.array([g[name] for name in FEATURE_NAMES] + vals, dtype=np.float64)
+    return np.array(row + vals, dtype=np.float64)
 
 
 def class_shape(n, e, in_deg, out_deg, stats=None):

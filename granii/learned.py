@@ -131,8 +131,13 @@ def dense_features(sizes):
 
 def model_feature_names(prim):
     """Column names of the features of ``prim``'s model, as ``model_features`` builds them."""
+    return list(_feature_names(prim))
+
+
+@functools.lru_cache(maxsize=None)
+def _feature_names(prim):
     kind, names = MODEL_SIZES[prim]
-    return dense_feature_names(names) if kind == "dense" else feature_names(names)
+    return tuple(dense_feature_names(names) if kind == "dense" else feature_names(names))
 
 
 def model_features(prim, gi, dims):
@@ -571,6 +576,7 @@ def load(path, fingerprint=None, check=True):
                 f"granii: the cost models in {path} were made for another machine or setup "
                 f"({'; '.join(diff)}): run {FIX} to profile this one")
     models = {"forward": {}, "train": {}}
+    folder = str(path)
     for key, entry in manifest["models"].items():
         prim, impl, phase = parse_model_key(key)
         if prim not in MODEL_SIZES or phase not in models:
@@ -580,9 +586,9 @@ def load(path, fingerprint=None, check=True):
             raise CostModelError(
                 f"granii: the {key} model in {path} was trained for another feature set "
                 f"({len(entry.get('features') or [])} features, {len(want)} now): re-run {FIX}")
-        fpath = path / entry.get("file", model_file(prim, impl, phase))
+        fpath = os.path.join(folder, entry.get("file", model_file(prim, impl, phase)))
         if entry.get("sha256"):      # checked against its hash and parsed on first use
-            if not fpath.is_file():
+            if not os.path.isfile(fpath):
                 raise CostModelError(f"granii: cost-model file {fpath} is missing: re-run {FIX}")
             models[phase][(prim, impl)] = _LazyTrees(fpath, len(want), entry["sha256"])
         else:                        # folders made before the manifest kept hashes

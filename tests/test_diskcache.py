@@ -129,6 +129,10 @@ def test_what_is_not_stored(store, monkeypatch):
     assert "decision budget" in done[4]
     assert not (store / "plans").exists()             # a search its budget cut short
     monkeypatch.delenv("GRANII_DECISION_BUDGET")
+    with monkeypatch.context() as m:
+        m.setattr(diskcache, "stamp", lambda *modules: None)
+        variants._stored_enumeration(lower_layer(GraphConv(8, 4)), "gcn")
+    assert not (store / "plans").exists()             # code without source files to stamp
     monkeypatch.setenv("GRANII_DISK_CACHE", "0")
     variants._stored_enumeration(lower_layer(GraphConv(8, 4)), "gcn")
     assert not (store / "plans").exists()             # turned off
@@ -170,6 +174,7 @@ def test_the_stamp_follows_the_sources(tmp_path, monkeypatch):
     os.utime(mod, ns=(1, 1))
     monkeypatch.setattr(diskcache, "_STAMPS", {})
     assert diskcache.stamp("stamped_module") != before
+    assert diskcache.stamp("sys") is None             # a module without a source file
 
 
 def test_enumeration_modules_hold_every_granii_module_they_import():

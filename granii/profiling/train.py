@@ -47,7 +47,9 @@ class StoredGraph:
 
     def memo(self, key, compute):
         if key not in self.cache:
-            raise KeyError(f"granii: a stored graph has no {key!r}; only its features")
+            if key == "graph_features":
+                raise KeyError(f"granii: a stored graph has no {key!r}; only its features")
+            self.cache[key] = compute()          # what featurize derives from the features
         return self.cache[key]
 
 

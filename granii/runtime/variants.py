@@ -194,10 +194,13 @@ def _stored_enumeration(lir, name):
     granii has enumerated an equal IR before, else computed and stored there. The key is the
     IR's ``ir.stable_text`` and the stamp of ``ENUMERATION_MODULES``; an IR without a stable
     text (it holds a lambda), a search stopped by its budget, and a failure are not stored."""
+    stamp = diskcache.stamp(*ENUMERATION_MODULES)
     try:
-        key = "\n".join([diskcache.stamp(*ENUMERATION_MODULES),
-                         ir.stable_text((lir.root, lir.heads))]).encode()
+        key = None if stamp is None else "\n".join(
+            [stamp, ir.stable_text((lir.root, lir.heads))]).encode()
     except ir.Unstable:
+        key = None
+    if key is None:
         return _enumerate(lir, name)
     data = diskcache.load("plans", key)
     if data is not None:

@@ -12,6 +12,7 @@ read or write is a miss: a read-only home computes each time. ``GRANII_DISK_CACH
 store off (reads and writes).
 """
 import hashlib
+import json
 import marshal
 import os
 import sys
@@ -104,3 +105,21 @@ def compiled(src, filename, mode="exec"):
             _CODE.clear()
         _CODE[key] = code
     return code
+
+
+def parsed_json(path):
+    """``json.loads`` of the file at ``path``, kept in the store by the file's name, size and
+    modification time (what Python's byte-code cache checks): a model folder's manifest is
+    parsed once per machine, not once per process. Raises what reading and parsing raise."""
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}\n{st.st_size}\n{st.st_mtime_ns}".encode()
+    data = load("json", key)
+    if data is not None:
+        try:
+            return marshal.loads(data)
+        except (EOFError, ValueError, TypeError):
+            pass
+    with open(path, encoding="utf-8") as f:
+        value = json.loads(f.read())
+    store("json", key, marshal.dumps(value))
+    return value

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import diskcache
 from .calibration import cache_dir
 from .costmodel import PRICED_AS, AnalyticalCost
 from .featurize import feature_names, featurize
@@ -541,7 +542,7 @@ def _read_manifest(path):
         raise CostModelError(f"granii: {path} holds no {MANIFEST} (an interrupted or partial "
                              f"install): run {FIX}")
     try:
-        manifest = json.loads(mpath.read_text())
+        manifest = diskcache.parsed_json(mpath)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CostModelError(f"granii: {mpath} is not readable JSON ({e}): re-run {FIX}") from None
     missing = [k for k in ("format", "fingerprint", "fingerprint_id", "models")

@@ -214,3 +214,23 @@ def _granii_imports(name):
             found.append(sub if importlib.util.find_spec(target).submodule_search_locations
                          and importlib.util.find_spec(sub) is not None else target)
     return found
+
+
+def test_parsed_json_is_what_json_gives_and_follows_the_file(store, monkeypatch):
+    import json
+    path = store / "manifest.json"
+    value = {"models": {"gemm/torch": {"features": ["m", "k"], "sha256": "ab"}}, "n": 1.5}
+    path.write_text(json.dumps(value))
+    assert diskcache.parsed_json(path) == value
+    with monkeypatch.context() as m:
+        m.setattr(diskcache.json, "loads", lambda text: pytest.fail("parsed again"))
+        assert diskcache.parsed_json(path) == value                 # read from the store
+    value["n"] = 2.5
+    path.write_text(json.dumps(value) + " ")                        # another size: parsed
+    assert diskcache.parsed_json(path) == value
+    for stored in (store / "json").iterdir():
+        stored.write_bytes(b"\x00")
+    assert diskcache.parsed_json(path) == value                     # a damaged store: parsed
+    path.write_text("{not json")
+    with pytest.raises(json.JSONDecodeError):
+        diskcache.parsed_json(path)

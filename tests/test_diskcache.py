@@ -130,6 +130,14 @@ def test_what_is_not_stored(store, monkeypatch):
     assert not (store / "plans").exists()             # a search its budget cut short
     monkeypatch.delenv("GRANII_DECISION_BUDGET")
     with monkeypatch.context() as m:
+        def broken(plan):
+            raise RuntimeError("no fusion")
+        m.setattr(variants, "fused_variants", broken)
+        with pytest.warns(UserWarning, match="fusing the plans of gcn failed"):
+            done = variants._stored_enumeration(_lowered(GraphConv(8, 4)), "gcn")
+        assert "fusing the plans failed" in done[4] and done[1]
+    assert not (store / "plans").exists()             # plans a failed fusion left short
+    with monkeypatch.context() as m:
         m.setattr(diskcache, "stamp", lambda *modules: None)
         variants._stored_enumeration(lower_layer(GraphConv(8, 4)), "gcn")
     assert not (store / "plans").exists()             # code without source files to stamp

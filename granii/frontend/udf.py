@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import inspect
 import linecache
+import operator
 import textwrap
 import types
 import weakref
@@ -153,7 +154,8 @@ def _last_line(code):
     positions = getattr(code, "co_positions", None)
     if positions is None:
         return None
-    last = max((end for _, end, _, _ in positions() if end is not None), default=None)
+    # the end lines of the instructions (None for those without a position), in C
+    last = max(filter(None, map(operator.itemgetter(1), positions())), default=None)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             inner = _last_line(c)

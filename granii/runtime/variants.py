@@ -193,7 +193,8 @@ def _stored_enumeration(lir, name):
     """``_enumerate(lir, name)``, read from the disk cache (``diskcache``) when a process of this
     granii has enumerated an equal IR before, else computed and stored there. The key is the
     IR's ``ir.stable_text`` and the stamp of ``ENUMERATION_MODULES``; an IR without a stable
-    text (it holds a lambda), a search stopped by its budget, and a failure are not stored."""
+    text (it holds a lambda), a search stopped by its budget or with a note of a failed fusion
+    (a result with a ``note``), and a failure are not stored."""
     stamp = diskcache.stamp(*ENUMERATION_MODULES)
     try:
         key = None if stamp is None else "\n".join(
@@ -240,11 +241,12 @@ def _enumerate(lir, name):
         err.spec, err.config = lir.spec, lir.config
         return err
     n_promoted = len(promoted)
+    note = ""
     try:
         promoted += [f for plan in promoted for f in fused_variants(plan)]
     except Exception as e:       # noqa: BLE001 - the unfused plans still hold
         warnings.warn(f"granii: fusing the plans of {name} failed ({e})")
-    note = ""
+        note = f"fusing the plans failed ({e}): the unfused plans compete"
     if found.budget_hit:
         note = (f"decision budget of {budget:g} CPU s spent after {found.n_forms} sub-expressions: "
                 f"the layer is associated as written ({len(forest)} trees); "

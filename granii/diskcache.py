@@ -1,7 +1,7 @@
 """Pure work kept across processes, as Python keeps byte code.
 
 A value that is a function of its key alone (the plans enumerated for a layer's IR, the code
-object of a plan's source) is stored under ``cache_dir()/<kind>/<h>``, with ``h`` the SHA-256 of
+object of a plan's source, a parsed manifest) is stored under ``cache_dir()/<kind>/<h>``, with ``h`` the SHA-256 of
 the key, and a later process reads it back instead of computing it again: a first call of a new
 process then pays a file read where it paid a search. The key names everything the value is
 computed from: the input, and the stamp (``stamp``) of the source files of the code that
@@ -16,17 +16,18 @@ import json
 import marshal
 import os
 import sys
+import threading
 from pathlib import Path
+
+_STAMPS = {}
+_CODE = {}
+_CODE_KEPT = 4096
 
 
 def cache_dir():
     """Where granii keeps what it computed once for this machine: ``$GRANII_CACHE``, else
     ``~/.cache/granii``."""
     return Path(os.environ.get("GRANII_CACHE", Path.home() / ".cache" / "granii"))
-
-_STAMPS = {}
-_CODE = {}
-_CODE_KEPT = 4096
 
 
 def enabled():
@@ -54,7 +55,7 @@ def store(kind, key, data):
     if not enabled():
         return
     dest = path(kind, key)
-    tmp = f"{dest}.{os.getpid()}.tmp"
+    tmp = f"{dest}.{os.getpid()}.{threading.get_ident()}.tmp"      # one writer per name
     try:
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         with open(tmp, "wb") as f:

@@ -1,9 +1,9 @@
 """Pure work kept across processes, as Python keeps byte code.
 
 A value that is a function of its key alone (the plans enumerated for a layer's IR, the code
-object of a plan's source, a parsed manifest) is stored under ``cache_dir()/<kind>/<h>``, with ``h`` the SHA-256 of
-the key, and a later process reads it back instead of computing it again: a first call of a new
-process then pays a file read where it paid a search. The key names everything the value is
+object of a plan's source, a parsed manifest) is stored under ``cache_dir()/<kind>/<h>``, with
+``h`` the SHA-256 of the key, and a later process reads it back instead of computing it again: a
+first call of a new process then pays a file read where it paid a search. The key names everything the value is
 computed from: the input, and the stamp (``stamp``) of the source files of the code that
 computes it, so an edited or upgraded granii never reads a value an older one stored.
 

@@ -242,7 +242,8 @@ def test_a_cached_model_is_walked_as_one_array(copy_dir, tmp_path, monkeypatch):
     x = np.random.default_rng(2).random((6, cached.num_features), dtype=np.float32)
     calls = []
     real = learned._native_flat_walk()
-    monkeypatch.setattr(learned, "_native_flat_walk", lambda: lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(learned, "_native_flat_walk",
+                        lambda: lambda *a: calls.append(1) or real(*a))
     got = cached.predict(x, 0.25)
     assert calls == [1] and "_tensors" not in cached.__dict__
     per_array = learned._native_walk()(*(torch.from_numpy(np.ascontiguousarray(getattr(cached, n)))

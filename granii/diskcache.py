@@ -46,7 +46,7 @@ def load(kind, key):
     try:
         with open(path(kind, key), "rb") as f:
             return f.read()
-    except OSError:
+    except (OSError, RuntimeError):      # RuntimeError: no home directory to find
         return None
 
 
@@ -54,7 +54,10 @@ def store(kind, key, data):
     """Keep ``data`` (bytes) for ``key``; silently nothing where the store cannot be written."""
     if not enabled():
         return
-    dest = path(kind, key)
+    try:
+        dest = path(kind, key)
+    except RuntimeError:                 # no home directory to find
+        return
     tmp = f"{dest}.{os.getpid()}.{threading.get_ident()}.tmp"      # one writer per name
     try:
         os.makedirs(os.path.dirname(dest), exist_ok=True)

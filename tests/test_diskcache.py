@@ -242,3 +242,21 @@ def test_parsed_json_is_what_json_gives_and_follows_the_file(store, monkeypatch)
     path.write_text("{not json")
     with pytest.raises(json.JSONDecodeError):
         diskcache.parsed_json(path)
+
+
+def test_a_store_that_cannot_be_written_or_found_computes(tmp_path, monkeypatch):
+    monkeypatch.setattr(diskcache, "_CODE", {})
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("GRANII_CACHE", str(blocked))              # not a folder
+    ns = {}
+    exec(diskcache.compiled("y = 3\n", "<test>"), ns)
+    assert ns["y"] == 3
+    monkeypatch.delenv("GRANII_CACHE")
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(diskcache.Path, "home", staticmethod(no_home))
+    monkeypatch.setattr(diskcache, "_CODE", {})
+    exec(diskcache.compiled("y = 4\n", "<test>"), ns)
+    assert ns["y"] == 4

@@ -60,7 +60,7 @@ import os
 import time
 from pathlib import Path
 
-from .diskcache import cache_dir  # noqa: F401 (granii.calibration.cache_dir, as before)
+from .diskcache import cache_dir, write_whole
 
 
 # name -> (primitive, implementation, graph, sizes); a graph ``(n, m, seed)`` is the undirected
@@ -299,12 +299,7 @@ def this_machine(fingerprint, refresh=False, log=None):
         if log is not None:
             log(f"granii: the machine was busy while calibrating (other processes used "
                 f"{others:.1f} cores); models unscaled")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cal, indent=1, sort_keys=True) + "\n")
-        tmp.replace(path)
-    except OSError:
+    if not write_whole(path, (json.dumps(cal, indent=1, sort_keys=True) + "\n").encode()):
         cal["cache"] = None
     if log is not None:
         log(f"granii: calibrated this machine in {cal['seconds']:.1f} s")

@@ -3,9 +3,10 @@
 A value that is a function of its key alone (the plans enumerated for a layer's IR, the code
 object of a plan's source, a parsed manifest) is stored under ``cache_dir()/<kind>/<h>``, with
 ``h`` the SHA-256 of the key, and a later process reads it back instead of computing it again: a
-first call of a new process then pays a file read where it paid a search. The key names everything the value is
-computed from: the input, and the stamp (``stamp``) of the source files of the code that
-computes it, so an edited or upgraded granii never reads a value an older one stored.
+first call of a new process then pays a file read where it paid a search. The key names
+everything the value is computed from: the input, and the stamp (``stamp``) of the source files
+of the code that computes it, so an edited or upgraded granii never reads a value an older one
+stored.
 
 Files are written beside and renamed over, so a reader sees a whole file or none. Any failure to
 read or write is a miss: a read-only home computes each time. ``GRANII_DISK_CACHE=0`` turns the
@@ -58,17 +59,26 @@ def store(kind, key, data):
         dest = path(kind, key)
     except RuntimeError:                 # no home directory to find
         return
-    tmp = f"{dest}.{os.getpid()}.{threading.get_ident()}.tmp"      # one writer per name
+    write_whole(dest, data)
+
+
+def write_whole(dest, data):
+    """Write ``data`` (bytes) to the file ``dest`` whole or not at all: written beside, under a
+    name of this process and thread, and renamed over, so a reader (or a mapping of the old
+    file) never sees part of it. ``False`` where it cannot be written (a read-only home)."""
+    tmp = f"{dest}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        os.makedirs(os.path.dirname(os.fspath(dest)), exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, dest)
+        return True
     except OSError:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        return False
 
 
 def stamp(*modules):

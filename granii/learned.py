@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from . import diskcache
-from .calibration import cache_dir
+from .diskcache import cache_dir
 from .costmodel import PRICED_AS, AnalyticalCost
 from .featurize import feature_names, featurize
 from .fingerprint import differences, fingerprint_id, machine_fingerprint
@@ -655,7 +655,7 @@ def _trees_path(sha256):
 @functools.lru_cache(maxsize=8)
 def _trees_dir(granii_cache, home):
     """The folder of the cached models for these values of ``GRANII_CACHE`` and ``HOME``, what
-    ``calibration.cache_dir`` reads (a first call reads a dozen models: the folder is found
+    ``diskcache.cache_dir`` reads (a first call reads a dozen models: the folder is found
     once, not for each)."""
     return os.path.join(cache_dir(), "trees")
 
@@ -713,13 +713,9 @@ def _cache_trees(sha256, trees):
     body = [trees.left.astype(np.int32), trees.right.astype(np.int32),
             trees.feature.astype(np.int32), trees.cond.astype(np.float32).view(np.int32),
             trees.default_left.astype(np.int32)]
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
-        np.concatenate([head] + [b.ravel() for b in body]).astype("<i4").tofile(tmp)
-        os.replace(tmp, path)             # whole or not at all, whatever runs beside
-    except OSError:
-        pass                              # a read-only home: the JSON is parsed each process
+    # whole or not at all, whatever runs beside; a read-only home: the JSON is parsed each process
+    diskcache.write_whole(path, np.concatenate([head] + [b.ravel() for b in body])
+                          .astype("<i4").tobytes())
 
 
 class _LazyTrees:

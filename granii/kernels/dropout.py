@@ -56,8 +56,10 @@ def enabled():
     """Whether granii's draw replaces torch's in this process: it is ``allowed`` and the running
     torch draws as it does (checked once, at the first dropout granii would draw for: a model
     without dropout in training never pays the check's millisecond)."""
-    if not allowed():
-        return False
+    return allowed() and _draws_as_torch_once()
+
+
+def _draws_as_torch_once():
     if not _CHECKED:
         _CHECKED.append(draws_as_torch())
     return _CHECKED[0]
@@ -87,7 +89,8 @@ def _ours(x, p, training):
 
 def dropout(input, p=0.5, training=True, inplace=False):
     """``torch.nn.functional.dropout``, with granii's draw where it applies (module docstring)."""
-    if not _ours(input, p, training) or not enabled():
+    # installed only where ``allowed``: what is left to know is how this torch draws
+    if not _ours(input, p, training) or not _draws_as_torch_once():
         return TORCH_DROPOUT(input, p, training, inplace)
     noise = torch.empty_like(input)
     torch.ops.granii.bernoulli_(noise, 1 - p)

@@ -110,6 +110,8 @@ def _explain_layer(st, out):
         times, kept = st.tuned
         p("  measured on the first calls (median forward, + backward in training): " + ", ".join(
             f"{label} {_fmt_ms(t).strip()}" for label, t in times) + f"; kept {kept}")
+    if getattr(st, "original_turn", None):
+        p(f"  the original forward: {st.original_turn}")
     p("  chosen plan, step by step:")
     for step, impl, t in best.step_costs:
         p(f"    {step.var:<4} {step.prim:<14} {impl:<10} {step.when:<15} {_fmt_ms(t)}  {step.key}")

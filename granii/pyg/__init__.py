@@ -27,6 +27,7 @@ import weakref
 import torch
 
 from ..frontend.values import FrontendError, RaisesForConfig
+from ..ir import size_value
 from .frontend import PygIR, is_pyg_layer, lower_pyg
 from .graph import IndexGraph, derived, graph_info, index_graph, input_kind
 
@@ -184,6 +185,22 @@ def run(prepared, plan=None, impls=None):
 _ = RaisesForConfig
 
 
+def message_bytes(module, pir, graph, symbols, x):
+    """The bytes of the messages PyG's own forward of ``module`` writes in this call: each
+    unfused ``propagate`` collects ``x_j`` and writes ``message``'s result, one row per edge,
+    before it aggregates (``MessagePassing.propagate``), so at least ``E * width`` elements per
+    propagate (``PygIR.messages``); none where PyG fuses message and aggregation: the frontend
+    lowered ``message_and_aggregate`` on a sparse adjacency (no message recorded), and on an
+    ``EdgeIndex`` sorted by column for a layer that supports it (``propagate``'s own test)."""
+    if not pir.messages:
+        return 0
+    if (pir.kind == "EdgeIndex" and getattr(module, "fuse", False)
+            and getattr(module, "SUPPORTS_FUSED_EDGE_INDEX", False)
+            and getattr(graph, "is_sorted_by_col", False)):
+        return 0
+    return x.element_size() * symbols["E"] * sum(size_value(w, symbols) for w in pir.messages)
+
+
 # -- the dispatcher's entry (``dispatch.prepare`` calls this for PyG layers) --------------------------
 def prepare_call(state, module, args, kwargs, reuse_inputs=True):
     """Bind a call of the PyG layer ``module`` for the dispatcher: its ``dispatch.Call``, or a
@@ -229,6 +246,7 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
     # features (``select._needs_grad``): an edge weight that needs one makes the call so
     call.input_grad = call.input_grad or edge_grad(call)
     x = values[feat]
+    call.original_bytes = message_bytes(module, compiled.pyg, values[graph], call.symbols, x)
     ident = input_identity(x) if reuse_inputs else None
     call.input_repeats = _repeats(state, x, ident)
     state.last_input = None if ident is None else (weakref.ref(x), ident)

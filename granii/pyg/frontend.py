@@ -109,6 +109,8 @@ class PygIR:
     kind: str                      # the graph input: edge_index, EdgeIndex, adj_t
     how: str                       # self loops the propagates' graph has (None, add, remaining)
     edge_values: dict = field(default_factory=dict)   # leaf argument name -> EdgeVal
+    messages: tuple = ()           # widths (size symbols) of the messages PyG's own forward
+                                   # writes, one row per edge, for each unfused propagate
 
 
 def lower_pyg(module, values, kind):
@@ -170,7 +172,7 @@ def lower_pyg(module, values, kind):
     lir = LayerIR(type(module).__name__, ir.rewrite_row_broadcasts(out.node), out.node,
                   interp.guards, tuple(params), frozenset(present), src, interp.spec,
                   interp.config, None, ())
-    return PygIR(lir, feat, gname, kind, interp.how, interp.edge_values)
+    return PygIR(lir, feat, gname, kind, interp.how, interp.edge_values, tuple(interp.messages))
 
 
 class PygInterpreter(Interpreter):
@@ -184,6 +186,7 @@ class PygInterpreter(Interpreter):
         self.edge_values = {}
         self.head_means = set()           # Apply nodes of a mean over heads (N x C, not H C)
         self.edge_how = {}                # edge feature leaf -> the self loops of its graph
+        self.messages = []                # widths of the messages unfused propagates write
 
     def _narrowed(self, n):
         """``n`` is a mean over heads, or a sum whose left operand is one."""
@@ -862,6 +865,8 @@ def aggregate(it, msg, node):
     if kind is None:
         it.fail(node, f"aggregation {aggr} (aggr={getattr(mod, 'aggr', None)!r})",
                 "only sum, mean and max aggregations are lowered")
+    # PyG's propagate writes the messages, one row per edge, before it aggregates them
+    it.messages.append(msg.node().cols if isinstance(msg, EdgeFeat) else msg.x.x.node.cols)
     if isinstance(msg, EdgeFeat):
         return _edge_aggregate(it, msg, kind, node)
     x = msg.x.x.node

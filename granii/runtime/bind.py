@@ -44,6 +44,8 @@ class Call:
     module: object = None
     input_repeats: bool = False
     sym_key: tuple = ()                  # sorted symbol items but densities (shared: read-only)
+    original_bytes: int = None           # the least the layer's own forward writes, where the
+                                         # frontend knows it (PyG's messages per edge)
 
 
 def prepare(state, module, args, kwargs, reuse_inputs=True):

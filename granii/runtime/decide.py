@@ -3,12 +3,15 @@ compile the winner, or start a measured tie-break among the close ones."""
 import torch
 
 from ..device import free_memory, gpu_cost_model
-from ..memory import plan_memory
+from ..memory import fmt_bytes, plan_memory
 from ..plan import compile_plan
 from ..select import rank, trial_candidates
 from .state import ORIGINAL
 from .tiebreak import Trial
 from .variants import leaf_vals_order
+
+ORIGINAL_MEMORY_FACTOR = 4       # the layer's own forward takes no tie-break turn when it needs
+ORIGINAL_MEMORY_FLOOR = 1 << 30  # this many times the chosen plan's memory, and these bytes
 
 
 def decision_key(call):
@@ -82,6 +85,7 @@ def _decide(state, options, call):
     state.last = (call.symbols, ranking, best, code, call.training,
                   getattr(model, "name", type(model).__name__))
     chosen = (f"[{best.plan.index}]", fn, leaf_vals_order(best.plan), best.impls)
+    state.original_turn = None
     if not _tuning(options, call):
         return chosen
     cands = [chosen]
@@ -94,13 +98,43 @@ def _decide(state, options, call):
     # DGL runs Python message and reduce functions once per degree bucket: timing that forward
     # would cost several calls at many times a plan's time, and it never wins
     if not getattr(call.compiled.layer_ir, "udfs", ()):
-        cands.append((ORIGINAL, None, None))
+        state.original_turn = original_turn_refused(call, best, limit)
+        if state.original_turn is None:
+            cands.append((ORIGINAL, None, None))
     if len(cands) == 1:
         return chosen
     # each sampled block is new, so a candidate's first call on one is like its later calls;
     # but not on the GPU, where a plan's first call compiles its kernels
     warm = 0 if call.gi.is_block and not call.gi.gpu else 1
     return Trial(cands, warm=warm)
+
+
+def original_turn_refused(call, best, limit):
+    """Why the layer's own forward takes no turn in the tie-break (a string), or ``None``.
+
+    A turn runs that forward whole, to time it. Where the frontend knows the least it writes
+    (``Call.original_bytes``: PyG's messages, one row per edge of each unfused propagate), it
+    takes no turn when that alone exceeds the memory limit (``memory_limit``, on a GPU its free
+    memory), or exceeds both ``ORIGINAL_MEMORY_FACTOR`` times the chosen plan's predicted peak
+    extra memory (``memory.plan_memory``) and ``ORIGINAL_MEMORY_FLOOR``: a measurement must not
+    raise the process's peak memory several times over what the plans it checks need. Seen on
+    an H200, 2M nodes and 42M edges: PyG's GATConv turn peaked at 104 GiB in training where
+    granii's plans settled at 6.5 GiB above what the process held before, and GCNConv's at
+    53 GiB in inference; a forward that writes that many bytes more is not the fastest on
+    memory-bound hardware either (PyG eager took 7-17 times granii's plans there)."""
+    need = call.original_bytes
+    if not need:
+        return None
+    peak = sum(plan_memory(best.plan, call.symbols))
+    if limit is not None and need > limit:
+        over = f"over the memory limit of {fmt_bytes(limit)}"
+    elif need > ORIGINAL_MEMORY_FACTOR * peak and need > ORIGINAL_MEMORY_FLOOR:
+        over = (f"over {ORIGINAL_MEMORY_FACTOR} times the chosen plan's predicted "
+                f"{fmt_bytes(peak)}")
+    else:
+        return None
+    return (f"its messages alone take {fmt_bytes(need)} (one row per edge), {over}: it takes no "
+            "turn in the measured tie-break")
 
 
 def within_memory(ranking, symbols, limit):

@@ -75,6 +75,8 @@ class LayerState:
     class_last: tuple = None                         # (graph, GraphInfo) by weak reference,
                                                      # {guard: (record, entry)} found for it
     ranked: int = 0                                  # rankings made (``_decide``)
+    original_turn: str = None                        # why the own forward took no turn in
+                                                     # the last tie-break (``decide``)
 
 
 class Ran(NamedTuple):

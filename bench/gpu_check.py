@@ -609,13 +609,15 @@ class GraniiModel:
         return self.model(x, edge_index)
 
     def ran(self):
-        """What each layer's last call ran and the settled choice's kernels."""
+        """What each layer's last call ran and the settled choice's kernels; whether the
+        layer's own forward was left out of the tie-break for its memory (``decide``)."""
         from granii.runtime.dispatch import layer_states
         parts = []
         for st in layer_states(self.model):
             impls = sorted({i for c in st.chosen.values() for i in (c.get("impls") or ())
                             if i != "inline"})
-            parts.append(f"{st.name} {st.ran.kind} {st.ran.label} {'/'.join(impls)}")
+            no_turn = " (own forward: no tie-break turn)" if st.original_turn else ""
+            parts.append(f"{st.name} {st.ran.kind} {st.ran.label} {'/'.join(impls)}{no_turn}")
         return "; ".join(parts)
 
 

@@ -118,10 +118,11 @@ def original_turn_refused(call, best, limit):
     memory), or exceeds both ``ORIGINAL_MEMORY_FACTOR`` times the chosen plan's predicted peak
     extra memory (``memory.plan_memory``) and ``ORIGINAL_MEMORY_FLOOR``: a measurement must not
     raise the process's peak memory several times over what the plans it checks need. Seen on
-    an H200, 2M nodes and 42M edges: PyG's GATConv turn peaked at 104 GiB in training where
-    granii's plans settled at 6.5 GiB above what the process held before, and GCNConv's at
-    53 GiB in inference; a forward that writes that many bytes more is not the fastest on
-    memory-bound hardware either (PyG eager took 7-17 times granii's plans there)."""
+    an H200, 2M nodes and 42M edges (``results/gpu/run6``): with PyG's GATConv turn the first
+    training calls peaked 88 GiB above what the process held before, where granii's settled
+    calls took 6.5 GiB, and GCNConv's first inference calls 48 GiB above it; a forward that
+    writes that many bytes more is not the fastest on memory-bound hardware either (PyG eager
+    took 9-17 times granii's settled calls there)."""
     need = call.original_bytes
     if not need:
         return None

@@ -29,7 +29,7 @@ import torch
 from ..frontend.values import FrontendError, RaisesForConfig
 from ..ir import size_value
 from .frontend import PygIR, is_pyg_layer, lower_pyg
-from .graph import IndexGraph, derived, graph_info, index_graph, input_kind
+from .graph import IndexGraph, derived, graph_info, index_graph, input_kind, known_index_graph
 
 __all__ = ["FrontendError", "IndexGraph", "PygIR", "Prepared", "bind_values", "compile_pyg",
            "derived", "graph_info", "index_graph", "input_kind", "is_pyg_layer", "plan_choices",
@@ -247,6 +247,7 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
     call.input_grad = call.input_grad or edge_grad(call)
     x = values[feat]
     call.original_bytes = message_bytes(module, compiled.pyg, values[graph], call.symbols, x)
+    call.fast_key = index_graph(values[graph], x.shape[0])     # kept: the binding made it
     ident = input_identity(x) if reuse_inputs else None
     call.input_repeats = _repeats(state, x, ident)
     state.last_input = None if ident is None else (weakref.ref(x), ident)
@@ -254,10 +255,21 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
     return call
 
 
+def fast_graph_key(args):
+    """The index graph granii keeps for the graph input ``args[1]`` of a call ``(x,
+    edge_index, ...)`` while it is the same unchanged tensor (``graph.known_index_graph``), or
+    ``None``: a PyG layer's fast tables are keyed by it (``Call.fast_key``)."""
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return None
+    return known_index_graph(args[1], x.shape[0])
+
+
 def _register():
-    from ..runtime.state import CALL_BINDERS, is_pyg_layer as claims
+    from ..runtime.state import CALL_BINDERS, PYG_FAST_KEY, is_pyg_layer as claims
     if all(c is not claims for c, _ in CALL_BINDERS):
         CALL_BINDERS.append((claims, prepare_call))
+    PYG_FAST_KEY[0] = fast_graph_key
 
 
 _register()

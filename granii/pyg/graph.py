@@ -30,7 +30,8 @@ import torch
 from ..device import is_gpu, runs_on
 from ..graph import graph_info
 
-__all__ = ["IndexGraph", "index_graph", "derived", "graph_info", "input_kind"]
+__all__ = ["IndexGraph", "index_graph", "derived", "graph_info", "input_kind",
+           "known_index_graph"]
 
 
 class IndexGraph:
@@ -171,6 +172,19 @@ def index_graph(graph_input, num_nodes):
         weakref.finalize(graph_input, _GRAPHS.pop, key, None)
     _GRAPHS[key] = (weakref.ref(graph_input), ident, g)
     return g
+
+
+def known_index_graph(graph_input, num_nodes):
+    """The ``IndexGraph`` ``index_graph`` made for this graph input while it is the same
+    unchanged tensor, or ``None`` (not made yet, edited in place, not a graph input): a lookup
+    that never builds one."""
+    hit = _GRAPHS.get(id(graph_input))
+    if hit is None or hit[0]() is not graph_input:
+        return None
+    try:
+        return hit[2] if hit[1] == _identity(graph_input, num_nodes) else None
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def loops_added(g, how):

@@ -46,6 +46,8 @@ class Call:
     sym_key: tuple = ()                  # sorted symbol items but densities (shared: read-only)
     original_bytes: int = None           # the least the layer's own forward writes, where the
                                          # frontend knows it (PyG's messages per edge)
+    fast_key: object = None              # what the layer's fast tables are keyed by where not
+                                         # ``gi`` (PyG: the graph input's index graph)
 
 
 def prepare(state, module, args, kwargs, reuse_inputs=True):

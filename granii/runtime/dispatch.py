@@ -21,8 +21,8 @@ from .decide import _describe, decide, decision_key
 from .fastpath import _fast_hit, _remember, call_guard
 from .reuse import (_VERIFIED_KEPT, _class_decision, _class_hit, _new_class, _remember_class,
                     _sampler_decision)
-from .state import (AUTOCAST, ORIGINAL, RAN_ORIGINAL, Ran, _INSPECTING, _fell_back, _ran_plan,
-                    autocast_on, is_pyg_layer, new_state, original_forward)
+from .state import (AUTOCAST, ORIGINAL, PYG_FAST_KEY, RAN_ORIGINAL, Ran, _INSPECTING, _fell_back,
+                    _ran_plan, autocast_on, is_pyg_layer, new_state, original_forward)
 from .tiebreak import BackwardClock, Trial, _trial_scale
 from .variants import _config_holds
 
@@ -75,13 +75,16 @@ def dispatch(state, options, layer, args, kwargs):
     if autocast_on():
         _fell_back(state, AUTOCAST)
         return original_forward(layer, args, kwargs)
-    # a PyG layer's call binds per-edge values the fast path's reader does not compute
-    guard = None if is_pyg_layer(layer) else call_guard(layer, args, kwargs)
+    # a PyG layer takes its graph second, and its fast tables are keyed by the graph input's
+    # index graph (``PYG_FAST_KEY``); it has no class path
+    pyg = is_pyg_layer(layer)
+    guard = call_guard(layer, args, kwargs, 1 if pyg else 0)
     if guard is not None and torch._C._current_graph_task_id() < 0:
-        hit = _fast_hit(state, options, layer, guard, args, kwargs)
+        hit = _fast_hit(state, options, layer, guard, args, kwargs,
+                        PYG_FAST_KEY[0] if pyg else None)
         if hit is not None:
             return _fast_run(state, options, layer, hit, args, kwargs)
-        if state.class_fast and not options.per_batch:
+        if not pyg and state.class_fast and not options.per_batch:
             hit = _class_hit(state, options, layer, guard, args, kwargs)
             if hit is not None:
                 return _class_run(state, options, layer, hit, guard, args, kwargs)
@@ -150,7 +153,7 @@ def _dispatch(state, options, layer, args, kwargs, guard):
     out = _run(state, dkey, label, fn, order, call, layer, args, kwargs)
     if guard is not None and (fn is None or (dkey, label) in state.verified):
         _remember(state, layer, guard, call, (label, fn, order), args, kwargs)
-        if ckey is not None and record is not None:
+        if ckey is not None and record is not None and call.fast_key is None:
             _remember_class(state, layer, guard, call, record, (label, fn, order), args,
                             kwargs)
     return out

@@ -28,11 +28,13 @@ _FAST_BUILDS = 16        # runs made per entry: an attribute re-assigned on ever
                          # that cannot be made) leaves the calls to the normal path, unpaid for
 
 
-def call_guard(layer, args, kwargs):
+def call_guard(layer, args, kwargs, graph_at=0):
     """What a call's fast path is keyed by, or ``None`` when the call cannot have one.
 
     ``(grad mode, threads, deterministic algorithms, layer.training, number of positional
-    arguments, the guard of each argument after the graph, then each keyword with its guard)``.
+    arguments, the guard of each argument but the graph, then each keyword with its guard)``;
+    the graph is the positional argument ``graph_at`` (DGL's layers take it first, PyG's
+    second, after the features).
     A tensor's guard is its type, shape, dtype, whether it is on the CPU (only CPU tensors are
     optimized: the normal path runs any other) and ``requires_grad``; a plain value's (``None``,
     bool, int, float, str) its type and ``repr`` (what the normal path keys a call signature
@@ -40,15 +42,15 @@ def call_guard(layer, args, kwargs):
     ``GraphInfo``, which is new for a new graph and for a graph edited in place. (Inference
     mode needs no place: it turns gradients off, and what else depends on it, the plans and
     their caches check at run time.)"""
-    if not args:
+    if len(args) <= graph_at:
         return None
     mode = (torch.is_grad_enabled(), torch.get_num_threads(),
             torch.are_deterministic_algorithms_enabled(), layer.training, len(args))
     if len(args) == 2 and not kwargs:
-        g = _value_guard(args[1])
+        g = _value_guard(args[1 - graph_at])
         return None if g is None else mode + (g,)
     parts = list(mode)
-    for a in args[1:]:
+    for a in args[:graph_at] + args[graph_at + 1:]:
         g = _value_guard(a)
         if g is None:
             return None
@@ -101,6 +103,8 @@ class FastEntry:
     feat: object                                     # the features' position, or a reader
     runs: dict = field(default_factory=dict)
     builds: int = 0                                  # runs made (``_FAST_BUILDS`` at most)
+    gi: object = None                                # the graph the plans run on, where the
+                                                     # table is keyed by another (``Call.fast_key``)
 
 
 class _BindWriter:
@@ -181,12 +185,19 @@ def _store_of(obj, name):
     return next((s for s in ("_parameters", "_buffers", "_modules") if name in d[s]), None)
 
 
-def _fast_hit(state, options, layer, guard, args, kwargs):
-    """``(gi, run, plan arguments)`` when this call's fast run holds, else ``None``."""
-    gi, table = _fast_table(state, args[0])
+def _fast_hit(state, options, layer, guard, args, kwargs, graph_key=None):
+    """``(gi, run, plan arguments)`` when this call's fast run holds, else ``None``.
+    ``graph_key(args)``: what the layer's fast tables are keyed by for a frontend whose graph
+    argument is not DGL's first one (``Call.fast_key``); ``None``: DGL's graph ``args[0]``."""
+    if graph_key is None:
+        gi, table = _fast_table(state, args[0])
+    else:
+        key = graph_key(args)
+        gi, table = None, (None if key is None else state.fast.get(key))
     entry = table.get(guard) if table else None
     if entry is None:
         return None
+    gi = entry.gi or gi
     training = guard[_GRAD] and _any_requires_grad(layer)
     feat = args[entry.feat] if type(entry.feat) is int else entry.feat(args, kwargs)
     ident = input_identity(feat) if options.reuse_inputs else None
@@ -233,9 +244,10 @@ def _remember(state, layer, guard, call, decision, args, kwargs):
     Not before ``_FAST_AFTER`` calls on a graph: a sampled block is called once, and a batch
     of graph classification a few times (a readout after each layer); building a run costs
     more than the calls it would speed up there."""
-    table = state.fast.get(call.gi)
+    key = call.gi if call.fast_key is None else call.fast_key
+    table = state.fast.get(key)
     if table is None:
-        state.fast[call.gi] = {_SEEN: 1}
+        state.fast[key] = {_SEEN: 1}
         return
     seen = table.get(_SEEN, _FAST_AFTER)
     if seen < _FAST_AFTER:
@@ -251,8 +263,10 @@ def _remember(state, layer, guard, call, decision, args, kwargs):
             table[_SEEN] = _FAST_AFTER
         place = _places(names, defaults, len(args), kwargs)
         builds = entry.builds if entry is not None else 0
-        entry = table[guard] = FastEntry(call.compiled, _arg_reader(names[1], place),
-                                         builds=builds)
+        feat = names[1] if call.fast_key is None else call.compiled.pyg.feat
+        entry = table[guard] = FastEntry(call.compiled, _arg_reader(feat, place),
+                                         builds=builds,
+                                         gi=None if call.fast_key is None else call.gi)
     mode = (call.training, call.input_repeats)
     if entry.builds >= _FAST_BUILDS:
         entry.runs.pop(mode, None)
@@ -292,7 +306,9 @@ def _fast_run_of(state, layer, call, decision, n_args, kwargs):
         if expr is None:
             return None
         exprs[var] = expr
-    guards, conditions = _per_call_checks(compiled.layer_ir, names, layer)
+    pir = getattr(compiled, "pyg", None)
+    guards, conditions = _per_call_checks(compiled.layer_ir, names, layer,
+                                          names[0] if pir is None else pir.graph)
     if guards or conditions:
         values = ", ".join(f"{n!r}: {_arg_expr(w, n, place, None)}" for n in names)
         w.lines.append(f"    if not {w.const(_checks_hold)}(m, {{{values}}}, "
@@ -308,6 +324,8 @@ def _leaf_expr(w, compiled, var, leaf, place, value, used):
     does not know."""
     kind = leaf.source[0]
     if kind in ("arg", "edge"):
+        if leaf.source[1] not in place and ":" not in leaf.source[1]:
+            return None          # values computed per call (PyG's per-edge values): bound anew
         return _arg_expr(w, leaf.source[1], place, value)
     if kind == "arg_dst":
         return None if ":" in leaf.source[1] else \
@@ -340,15 +358,14 @@ def _arg_expr(w, name, place, value):
     return f"k[{at!r}]" if where == "kw" else w.const(at)
 
 
-def _per_call_checks(lir, names, module):
+def _per_call_checks(lir, names, module, graph_name):
     """The checks of a variant the normal path runs on every call, compiled: ``(guards,
     conditions)``, the layer's own checks and the conditions the variant branched on that read
-    more than the graph (a guard: than the graph and the module). The others ran for this graph
-    and hold for every call on it."""
-    graph_name = names[0]
+    more than the graph (the argument ``graph_name``; a guard: than the graph and the module).
+    The others ran for this graph and hold for every call on it."""
     module_globals = type(module).forward.__globals__
     guards = [check_code(text, "exec") for text, reads in lir.guards
-              if not _guard_on_graph(reads, names, module_globals)]
+              if not _guard_on_graph(reads, names, module_globals, graph_name)]
     conditions = [(check_code(text, "eval"), value) for text, reads, value in lir.spec
                   if not set(reads) <= {graph_name}]
     return guards, conditions

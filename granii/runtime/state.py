@@ -164,6 +164,9 @@ _INSPECTING = [False]
 # DGL's: granii/pyg registers PyTorch Geometric's layers when imported (dispatch.Dispatcher
 # imports it for the first PyG layer)
 CALL_BINDERS = []
+# ``[graph_key(args)]``: what a PyG layer's fast tables are keyed by for a call (the index graph
+# granii keeps for its unchanged graph input, or ``None``), set by granii/pyg when imported
+PYG_FAST_KEY = [None]
 _PYG_CLASSES = {}
 
 

@@ -17,11 +17,12 @@ from ..prune import prune
 from .state import Compiled
 
 
-def _guard_on_graph(reads, names, module_globals):
-    """Whether a check of the layer's source reads nothing but the graph (``names[0]``, the
-    forward's first parameter) and the module: once it held on a graph it holds for every call
-    on it."""
-    return {n for n in reads if n in names or n not in module_globals} <= {names[0], "self"}
+def _guard_on_graph(reads, names, module_globals, graph=None):
+    """Whether a check of the layer's source reads nothing but the graph (``graph``, by default
+    ``names[0]``, the forward's first parameter) and the module: once it held on a graph it
+    holds for every call on it."""
+    graph = names[0] if graph is None else graph
+    return {n for n in reads if n in names or n not in module_globals} <= {graph, "self"}
 
 
 def _graph_condition(gi, text, namespace):

@@ -120,6 +120,12 @@ def _dims(prim, gi, sizes):
     return dims
 
 
+def references_available():
+    """Whether this environment can time the reference calls (DGL's SpMM among them, as on the
+    models' machine); without them models of another machine are used unscaled."""
+    return importlib.util.find_spec("dgl") is not None
+
+
 def measure(repeat=7):
     """``{name: seconds}``: the fastest of ``repeat`` runs of each reference call in a row (after
     one warm-up), as the profiler times the models' points: interleaved with the other reference
@@ -127,7 +133,7 @@ def measure(repeat=7):
     (6.1 ms against 3.0 ms here), which priced every row operation of a plan, whose input the step
     before has just written, twice too high. Other processes on the cores only add time (a thread
     waiting for a core), so the fastest run is the machine's own speed."""
-    if importlib.util.find_spec("dgl") is None:     # before anything is built or timed
+    if not references_available():     # before anything is built or timed
         raise ImportError("No module named 'dgl'", name="dgl")
     import torch
     from . import kernels

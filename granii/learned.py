@@ -851,11 +851,13 @@ def default_cost_model(root=None):
         return own
     foreign = foreign_models(root, fp) if root.is_dir() else []
     chain = transferred(foreign, here)
+    scaled = (f"rescaled by a calibration of this machine (a few seconds once, cached in "
+              f"{calibration.cache_dir()})" if calibration.references_available() else
+              "unscaled (the calibration times DGL's kernels, and DGL is not installed)")
     what = (f"the models of {foreign[0].manifest['fingerprint_id']} "
             f"({foreign[0].manifest['fingerprint'].get('cpu_model')}, "
             f"{foreign[0].manifest['fingerprint'].get('isa', 'vector extensions not recorded')}, "
-            f"{foreign[0].manifest['fingerprint'].get('threads')} threads) rescaled by a "
-            f"calibration of this machine (a few seconds once, cached in {calibration.cache_dir()})"
+            f"{foreign[0].manifest['fingerprint'].get('threads')} threads) {scaled}"
             if foreign else "the analytical cost model with this machine's calibrated rates")
     if (path / MANIFEST).exists():
         msg = f"{reason}. Using {what} meanwhile."

@@ -413,6 +413,7 @@ def fake_calibration(monkeypatch, tmp_path):
         calls.append(1)
         return dict(here)
     monkeypatch.setattr(calibration, "measure", measure)
+    monkeypatch.setattr(calibration, "references_available", lambda: True)
     monkeypatch.setenv("GRANII_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(learned, "_WARNED", set())
     monkeypatch.setattr(learned, "_LOADED", {})
@@ -494,6 +495,18 @@ def test_foreign_models_are_used_with_this_machines_calibration(copy_dir, fake_c
     learned._LOADED.clear()
     learned.default_cost_model(folder.parent).predict("spmm", "dgl", gi, {"n": 9, "k": 8})
     assert calls == [1]
+
+
+def test_foreign_models_without_dgl_are_said_to_be_unscaled(copy_dir, fake_calibration,
+                                                            monkeypatch):
+    """Without DGL the calibration's reference calls cannot be timed: the warning says the
+    foreign models price unscaled, as they then do, not that a calibration rescales them."""
+    from granii import calibration
+    here, calls = fake_calibration
+    folder = _as_foreign(copy_dir, dict(here))
+    monkeypatch.setattr(calibration, "references_available", lambda: False)
+    with pytest.warns(learned.CostModelWarning, match="unscaled .*DGL is not installed"):
+        learned.default_cost_model(folder.parent)
 
 
 def test_foreign_models_without_a_calibration_derive_it_from_their_predictions(

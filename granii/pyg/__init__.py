@@ -114,7 +114,7 @@ def bind_call(layer, pir, compiled, values, state=None):
     training = grad and any(p.requires_grad for p in layer.parameters())
     key = (id(compiled), pir.layer_ir.present, False, ())
     return Call(compiled, gi, leaf_vals, symbols, key, training, grad and x.requires_grad,
-                layer, False, sym_key)
+                layer, False, sym_key, fast_key=base)
 
 
 def prepare(layer, *args, **kwargs):
@@ -247,7 +247,6 @@ def prepare_call(state, module, args, kwargs, reuse_inputs=True):
     call.input_grad = call.input_grad or edge_grad(call)
     x = values[feat]
     call.original_bytes = message_bytes(module, compiled.pyg, values[graph], call.symbols, x)
-    call.fast_key = index_graph(values[graph], x.shape[0])     # kept: the binding made it
     ident = input_identity(x) if reuse_inputs else None
     call.input_repeats = _repeats(state, x, ident)
     state.last_input = None if ident is None else (weakref.ref(x), ident)

@@ -162,15 +162,14 @@ def index_graph(graph_input, num_nodes):
                          "EdgeIndex or a torch.sparse adjacency are read")
     if graph_input.is_inference():
         return _make(graph_input, num_nodes, kind)
+    g = known_index_graph(graph_input, num_nodes)
+    if g is not None:
+        return g
     key = id(graph_input)
-    ident = _identity(graph_input, num_nodes)
-    hit = _GRAPHS.get(key)
-    if hit is not None and hit[0]() is graph_input and hit[1] == ident:
-        return hit[2]
     g = _make(graph_input, num_nodes, kind)
-    if hit is None:
+    if key not in _GRAPHS:
         weakref.finalize(graph_input, _GRAPHS.pop, key, None)
-    _GRAPHS[key] = (weakref.ref(graph_input), ident, g)
+    _GRAPHS[key] = (weakref.ref(graph_input), _identity(graph_input, num_nodes), g)
     return g
 
 

@@ -6,6 +6,8 @@ are fast and do not depend on the machine's load.
 import json
 import math
 import shutil
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -836,6 +838,25 @@ def test_fingerprint_tells_vector_extensions_apart():
     assert any(d.startswith("isa:") for d in differences(here, other))
     older = {k: v for k, v in here.items() if k != "isa"}
     assert any(d.startswith("isa:") for d in differences(here, older))
+
+def test_xgboost_version_is_read_without_importing_it():
+    """The fingerprint's xgboost version comes from the file xgboost reads its own from (not
+    its metadata, which scans every distribution): the installed distribution's version, and
+    xgboost stays unimported."""
+    import importlib.metadata
+    code = ("import sys; from granii.fingerprint import _version, _version_file;"
+            "print(_version('xgboost'), _version_file('xgboost'), 'xgboost' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    dists = []
+    for name in ("xgboost", "xgboost-cpu"):
+        try:
+            dists.append(importlib.metadata.version(name).split("+")[0])
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    assert out[0] == out[1] and out[0] in dists
+    assert out[2] == "False"
+
 
 
 def test_selection_ranks_graphconv_plans_with_learned_models(model_dir):

@@ -538,7 +538,10 @@ HOW = """\
   granii has settled (the same rounds for both).
 * First calls are timed in a fresh process (`bench/fresh.py`): a process that has imported torch,
   DGL, granii and the benchmark's modules and done nothing else (no tensor operation, no OpenMP
-  region) forks one child per candidate and configuration; the child loads the graph, builds the
+  region) forks one child per candidate and configuration; the child first copies every page it
+  shares with that process (a forked child otherwise pays a copy at its first write to each page,
+  which a process started on its own never pays: 3-6 ms more of DGL's first calls and 12-15 ms of
+  granii's on Cora, 2 layers), then loads the graph, builds the
   model with the benchmark's seeds and times DGL's first forward, or `granii(model, g, x)` with
   its default cost model (loaded by that call) plus the first forward. Nothing the child filled
   (parse, enumeration, calibration and cost-model caches, torch's and DGL's lazy state)

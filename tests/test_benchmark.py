@@ -5,6 +5,7 @@ report reads.
 """
 import csv
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -392,6 +393,31 @@ def test_fresh_children_share_nothing():
         assert math.isnan(z.first_call(kind="layer", model="nope", graph="cora", k_in=8,
                                        k_out=4, features="new", candidate="dgl"))
         assert z.errors and "nope" in str(z.errors[-1][1])
+        # its memory is its own, as a process started on its own has it: no page it writes is
+        # still shared copy-on-write with the zygote
+        assert z.first_call(kind="shared", candidate="-") == 0.0, z.errors
+
+
+def test_a_plain_forked_child_shares_pages_that_own_pages_copies():
+    """``shared_kb`` sees the pages a forked child shares with its parent; ``own_pages``
+    leaves none."""
+    from bench.fresh import own_pages, shared_kb
+    keep = [bytearray(1 << 16) for _ in range(64)]      # 4 MiB written by the parent
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            before = shared_kb()
+            own_pages()
+            os.write(w, f"{before} {shared_kb()}".encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    before, after = map(int, os.read(r, 100).split())
+    os.close(r)
+    assert before >= 4096 and after == 0
+    assert len(keep) == 64
 
 
 def _layer_frame(**cols):

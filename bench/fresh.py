@@ -11,8 +11,9 @@ is a warm process's. Here each first call runs in a process of its own:
   it is safe: the OpenMP runtime has no threads yet).
 * For each request it forks a child. The child is what a user's process is after its imports:
   it first copies the pages it shares with the zygote (``own_pages``: a user's process owns its
-  pages; a forked child would pay a copy at its first write to each), then it loads the graph and builds the model from the request (as the in-process measurement does,
-  same seeds), then times one candidate's first call:
+  pages; a forked child would pay a copy at its first write to each), then it loads the graph
+  and builds the model from the request (as the in-process measurement does, same seeds), then
+  times one candidate's first call:
 
   - ``dgl``:    the model's first forward (training: the first epoch's step);
   - ``granii``: ``granii(model, g, x)`` with its default cost model (loaded by that call, as a

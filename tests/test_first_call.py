@@ -1,9 +1,9 @@
 """A later fresh process's first ``granii(...)`` reads what the first one cached instead of
 redoing it: no model file parsed or even read (the parsed trees are cached under each file's
 hash), no reference graph built to predict a transferred folder's reference calls (stored in its
-manifest), no calibration measured (cached per machine), no plan enumerated and no generated
-code compiled (``granii.diskcache``). Each process is a real one (subprocess);
-nothing here is timed."""
+manifest), no calibration measured (cached per machine), no layer source parsed, no plan
+enumerated and no generated code compiled (``granii.diskcache``). Each process is a real one
+(subprocess); nothing here is timed."""
 import json
 import os
 import shutil
@@ -38,6 +38,8 @@ if strict:
     learned.Trees.__init__ = boom                  # no model file parsed
     variants._enumerate = boom                     # no plan enumerated
     diskcache.compile = boom                       # no plan or check compiled
+    import ast
+    ast.parse = boom                               # no layer source parsed
     real_read = Path.read_bytes
     def recorded(self):
         if self.suffix == ".json":

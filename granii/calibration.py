@@ -10,14 +10,18 @@ The calibration times four reference calls (a few seconds in all):
 
 and the same two SpMM calls with each other implementation of the graph kernels that has one
 (``IMPL_REFERENCE``: ``sparse_native``, ``small_native``, ``sparse_torch_csr``,
-``small_torch_csr``), where it is available. Sparse kernels of different libraries do not keep
-their speed ratio from one processor to another: measured on an Intel AVX-512 machine against
-the AMD EPYC the shipped models were trained on, DGL's SpMM on the sparse reference took 2.0x,
-granii's native one 3.0x and torch's CSR product 1.4x the models' predictions (small reference:
-1.7x, 1.2x, 0.7x). One ratio for every sparse kernel, DGL's, then priced the native kernels a
+``small_torch_csr``), where it is available: each call whose implementation this environment
+runs (``measurable``). Without DGL (PyTorch Geometric's stack) DGL's two calls are left out and
+the reference graphs are index graphs of the same edges.
+
+Sparse kernels of different libraries do not keep their speed ratio from one processor to
+another: measured on an Intel AVX-512 machine against the AMD EPYC the shipped models were
+trained on, DGL's SpMM on the sparse reference took 2.0x, granii's native one 3.0x and torch's
+CSR product 1.4x the models' predictions (small reference: 1.7x, 1.2x, 0.7x). One ratio for every sparse kernel, DGL's, then priced the native kernels a
 third too low, and on graphs the project never saw the tie-break timed only native plans where
 DGL's SpMM was the fastest. So a sparse primitive is scaled by the references of its own
-implementation where both machines have them, by DGL's otherwise.
+implementation where both machines have them, by DGL's otherwise, and where DGL's were not timed
+by the native kernels', then torch's CSR product's (``Transfer.sparse_references``).
 
 Transfer. A model trained on machine ``M`` predicts ``t_M(call)``; on this machine ``H`` the call
 is priced as
@@ -76,7 +80,7 @@ IMPL_REFERENCE = {"native": "_native", "torch_csr": "_torch_csr"}
 for _impl, _suffix in IMPL_REFERENCE.items():
     REFERENCE["sparse" + _suffix] = ("spmm", _impl) + REFERENCE["sparse"][2:]
     REFERENCE["small" + _suffix] = ("spmm", _impl) + REFERENCE["small"][2:]
-CORE = ("stream", "gemm", "sparse", "small")     # measured on every machine with DGL
+_SMALL = ("small",) + tuple("small" + s for s in IMPL_REFERENCE.values())
 CLASS = {"gemm": "gemm", "head_gemm": "gemm", "row_scale": "stream", "add": "stream",
          "cat": "stream", "row_slice": "stream", "diag_mul": "stream"}
 FORMAT = 4              # 2: each sparse implementation's references; 3: timed in the pool;
@@ -120,10 +124,23 @@ def _dims(prim, gi, sizes):
     return dims
 
 
-def references_available():
-    """Whether this environment can time the reference calls (DGL's SpMM among them, as on the
-    models' machine); without them models of another machine are used unscaled."""
-    return importlib.util.find_spec("dgl") is not None
+def _runs(impl):
+    """Whether this environment runs implementation ``impl`` of a reference call (DGL's kernels
+    are registered everywhere and need DGL)."""
+    if impl != "dgl":
+        return True
+    try:
+        return importlib.util.find_spec("dgl") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def measurable():
+    """The names of the reference calls this environment can time: those of ``REFERENCE`` whose
+    implementation is registered and runs here."""
+    from . import kernels
+    return tuple(name for name, (prim, impl, _, _) in REFERENCE.items()
+                 if impl in kernels.implementations(prim) and _runs(impl))
 
 
 def measure(repeat=7):
@@ -133,17 +150,15 @@ def measure(repeat=7):
     (6.1 ms against 3.0 ms here), which priced every row operation of a plan, whose input the step
     before has just written, twice too high. Other processes on the cores only add time (a thread
     waiting for a core), so the fastest run is the machine's own speed."""
-    if not references_available():     # before anything is built or timed
-        raise ImportError("No module named 'dgl'", name="dgl")
     import torch
     from . import kernels
     from .kernels import pool
     from .reference import dense_inputs, graph_inputs
-    graphs = _graphs()
+    names = measurable()             # not the native kernels without a compiler, nor DGL's
+    graphs = _graphs(names)          # without DGL
     fns = {}
-    for name, (prim, impl, spec, sizes) in REFERENCE.items():
-        if impl not in kernels.implementations(prim):
-            continue                 # the native kernels without a compiler
+    for name in names:
+        prim, impl, spec, sizes = REFERENCE[name]
         fn = kernels.get(prim, impl)
         if spec is None:
             args = dense_inputs(prim, sizes)
@@ -219,11 +234,20 @@ def predicted(model):
     return out
 
 
+def _complete(times):
+    """Whether reference ``times`` hold what a transfer needs: the streaming and GEMM calls and
+    both sparse calls of one implementation."""
+    return {"stream", "gemm"} <= set(times) and any(
+        "sparse" + s in times and "small" + s in times
+        for s in ("",) + tuple(IMPL_REFERENCE.values()))
+
+
 def contended(times):
     """Whether reference ``times`` were measured while other processes held the cores (the
-    small call's time says so; a short call can also fall between two other processes' turns,
-    so ``this_machine`` asks ``/proc/stat`` too)."""
-    return times.get("small", 0.0) > CONTENDED
+    small call's time says so, DGL's or else the first other one timed; a short call can also
+    fall between two other processes' turns, so ``this_machine`` asks ``/proc/stat`` too)."""
+    small = next((times[n] for n in _SMALL if n in times), 0.0)
+    return small > CONTENDED
 
 
 def _busy_seconds():
@@ -272,7 +296,7 @@ def this_machine(fingerprint, refresh=False, log=None):
     if not refresh and path.is_file():
         try:
             cal = json.loads(path.read_text())
-            if cal.get("format") == FORMAT and set(CORE) <= set(cal.get("times", {})) \
+            if cal.get("format") == FORMAT and _complete(cal.get("times", {})) \
                     and "others_cores" in cal and not contended(cal["times"]):
                 return cal
             if cal.get("format") == FORMAT and cal.get("contended") and \
@@ -281,22 +305,13 @@ def this_machine(fingerprint, refresh=False, log=None):
         except (OSError, ValueError, TypeError):
             pass
     t0 = time.perf_counter()
-    try:
-        for attempt in range(QUIET_TRIES):
-            if attempt:
-                time.sleep(QUIET_PAUSE)
-            times, others = _measure_with_others()
-            busy = contended(times) or others > _spare_cores()
-            if not busy:
-                break
-    except ImportError as e:      # the reference calls are DGL's SpMM, as on the models' machine
-        if e.name != "dgl" and "dgl" not in str(e):
-            raise
-        if log is not None:
-            log("granii: DGL is not installed, so the reference calls cannot be timed as on the "
-                "models' machine; models unscaled (run granii-init to profile this machine)")
-        return {"format": FORMAT, "fingerprint_id": fid, "times": {}, "unavailable": "dgl",
-                "seconds": 0.0, "cache": None}
+    for attempt in range(QUIET_TRIES):
+        if attempt:
+            time.sleep(QUIET_PAUSE)
+        times, others = _measure_with_others()
+        busy = contended(times) or others > _spare_cores()
+        if not busy:
+            break
     cal = {"format": FORMAT, "fingerprint_id": fid, "times": times,
            "seconds": round(time.perf_counter() - t0, 2), "others_cores": round(others, 2),
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cache": str(path)}
@@ -324,13 +339,23 @@ class Transfer:
         m, h = self.model_times.get(name), self.here_times.get(name)
         return h / m if m and h and m > 0 and h > 0 else None
 
+    def sparse_references(self, impl):
+        """``(large, small)`` reference names that scale a sparse primitive run by ``impl``: its
+        own implementation's where both machines timed both, else DGL's, else the native
+        kernels', else torch's CSR product's; DGL's names where none has both."""
+        order = [IMPL_REFERENCE.get(impl), ""] + list(IMPL_REFERENCE.values())
+        for suffix in order:
+            if suffix is not None and self.ratio("sparse" + suffix) and \
+                    self.ratio("small" + suffix):
+                return "sparse" + suffix, "small" + suffix
+        return "sparse", "small"
+
     def scale(self, prim, seconds, impl=None):
         """``seconds`` (predicted for the models' machine for ``prim`` run by ``impl``) in this
         machine's seconds."""
         cls, small_name = prim_class(prim), "small"
-        suffix = IMPL_REFERENCE.get(impl)
-        if cls == "sparse" and suffix and self.ratio(cls + suffix) and self.ratio("small" + suffix):
-            cls, small_name = cls + suffix, "small" + suffix
+        if cls == "sparse":
+            cls, small_name = self.sparse_references(impl)
         big, small = self.ratio(cls), self.ratio(small_name)
         if big is None and small is None:
             return seconds
@@ -351,7 +376,13 @@ class Transfer:
 def analytical_rates(times):
     """Roofline rates of ``granii.costmodel.AnalyticalCost`` from reference times:
     ``flop_rate = 2 m k n / t_gemm``, ``stream_rate = 2 * 4 n k / t_stream``,
-    ``gather_rate = 4 E k / t_sparse`` and ``call_overhead = t_small / 2`` (a rough share)."""
+    ``gather_rate = 4 E k / t_sparse`` and ``call_overhead = t_small / 2`` (a rough share); the
+    sparse calls DGL's, else the first other implementation's timed."""
+    times = dict(times)
+    for name in ("sparse", "small"):
+        if not times.get(name):
+            times[name] = next((times[name + s] for s in IMPL_REFERENCE.values()
+                                if times.get(name + s)), None)
     out = {}
     if times.get("gemm"):
         s = REFERENCE["gemm"][3]

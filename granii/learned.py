@@ -852,8 +852,7 @@ def default_cost_model(root=None):
     foreign = foreign_models(root, fp) if root.is_dir() else []
     chain = transferred(foreign, here)
     scaled = (f"rescaled by a calibration of this machine (a few seconds once, cached in "
-              f"{calibration.cache_dir()})" if calibration.references_available() else
-              "unscaled (the calibration times DGL's kernels, and DGL is not installed)")
+              f"{calibration.cache_dir()})")
     what = (f"the models of {foreign[0].manifest['fingerprint_id']} "
             f"({foreign[0].manifest['fingerprint'].get('cpu_model')}, "
             f"{foreign[0].manifest['fingerprint'].get('isa', 'vector extensions not recorded')}, "

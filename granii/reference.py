@@ -12,9 +12,10 @@ import torch
 
 
 def make_graph(u, v, num_nodes, undirected=False, remove_self_loops=True, dedupe=True):
-    """A DGL graph (int64) on ``num_nodes`` nodes from edge arrays ``u -> v``; ``undirected``
-    adds ``v -> u`` for each edge, ``dedupe`` keeps one copy of each (ordered by ``(src, dst)``)."""
-    import dgl
+    """A graph on ``num_nodes`` nodes from edge arrays ``u -> v``: a DGL graph (int64) where DGL
+    is installed, as the profiler's graphs are, else granii's ``IndexGraph`` of the same edges in
+    the same order; ``undirected`` adds ``v -> u`` for each edge, ``dedupe`` keeps one copy of
+    each (ordered by ``(src, dst)``)."""
     u = np.asarray(u, dtype=np.int64)
     v = np.asarray(v, dtype=np.int64)
     if undirected:
@@ -25,8 +26,13 @@ def make_graph(u, v, num_nodes, undirected=False, remove_self_loops=True, dedupe
     if dedupe and len(u):
         key = np.unique(u * num_nodes + v)
         u, v = key // num_nodes, key % num_nodes
-    return dgl.graph((torch.from_numpy(u), torch.from_numpy(v)), num_nodes=num_nodes,
-                     idtype=torch.int64)
+    src, dst = torch.from_numpy(u), torch.from_numpy(v)
+    try:
+        import dgl
+    except ImportError:
+        from .index_graph import IndexGraph
+        return IndexGraph(src, dst, num_nodes)
+    return dgl.graph((src, dst), num_nodes=num_nodes, idtype=torch.int64)
 
 
 def uniform(n, m, seed=0, undirected=False):

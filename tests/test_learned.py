@@ -415,7 +415,6 @@ def fake_calibration(monkeypatch, tmp_path):
         calls.append(1)
         return dict(here)
     monkeypatch.setattr(calibration, "measure", measure)
-    monkeypatch.setattr(calibration, "references_available", lambda: True)
     monkeypatch.setenv("GRANII_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(learned, "_WARNED", set())
     monkeypatch.setattr(learned, "_LOADED", {})
@@ -497,18 +496,6 @@ def test_foreign_models_are_used_with_this_machines_calibration(copy_dir, fake_c
     learned._LOADED.clear()
     learned.default_cost_model(folder.parent).predict("spmm", "dgl", gi, {"n": 9, "k": 8})
     assert calls == [1]
-
-
-def test_foreign_models_without_dgl_are_said_to_be_unscaled(copy_dir, fake_calibration,
-                                                            monkeypatch):
-    """Without DGL the calibration's reference calls cannot be timed: the warning says the
-    foreign models price unscaled, as they then do, not that a calibration rescales them."""
-    from granii import calibration
-    here, calls = fake_calibration
-    folder = _as_foreign(copy_dir, dict(here))
-    monkeypatch.setattr(calibration, "references_available", lambda: False)
-    with pytest.warns(learned.CostModelWarning, match="unscaled .*DGL is not installed"):
-        learned.default_cost_model(folder.parent)
 
 
 def test_foreign_models_without_a_calibration_derive_it_from_their_predictions(
@@ -661,21 +648,44 @@ def test_transfer_scales_a_sparse_kernel_by_the_references_of_its_own_implementa
     assert partial.scale("spmm", 1.0, "native") == pytest.approx(2.0)  # both ends, or DGL's
 
 
+def test_without_dgls_references_a_sparse_kernel_scales_by_the_native_then_torch_csr_ones():
+    """Where DGL is not installed its reference calls are not timed here: a sparse kernel
+    without references of its own scales by the native kernels', then torch's CSR product's,
+    instead of going unscaled."""
+    from granii.calibration import Transfer
+    theirs = {"small": 1e-4, "sparse": 1e-2, "gemm": 1e-2, "stream": 1e-2,
+              "small_native": 1e-4, "sparse_native": 1e-2,
+              "small_torch_csr": 1e-4, "sparse_torch_csr": 1e-2}
+    here = {"gemm": 1e-2, "stream": 1e-2, "small_native": 1e-4, "sparse_native": 3e-2,
+            "small_torch_csr": 1e-4, "sparse_torch_csr": 1.5e-2}
+    t = Transfer(theirs, here)
+    assert t.sparse_references("dgl") == ("sparse_native", "small_native")
+    assert t.scale("spmm", 1.0, "dgl") == pytest.approx(3.0)
+    assert t.scale("spmm", 1.0, "torch_csr") == pytest.approx(1.5)     # its own
+    assert t.scale("edge_softmax", 1.0, "torch") == pytest.approx(3.0)
+    no_native = Transfer(theirs, {k: v for k, v in here.items() if "native" not in k})
+    assert no_native.scale("spmm", 1.0, "native") == pytest.approx(1.5)
+    assert Transfer(theirs, {"gemm": 1e-2}).scale("spmm", 1.0, "native") == 1.0
+
+
 def test_calibration_measures_each_sparse_implementation_it_has():
     """The calibration's reference calls include the native and torch CSR SpMM where those
-    kernels exist, with the same graphs and sizes as DGL's (timed where DGL is installed: the
-    reference calls are DGL's SpMM, as on the models' machine)."""
-    pytest.importorskip("dgl")
+    kernels exist, with the same graphs and sizes as DGL's, and DGL's own where DGL is
+    installed (on either stack)."""
+    import importlib.util
     from granii import calibration, kernels
     ref = calibration.REFERENCE
     for impl, suffix in calibration.IMPL_REFERENCE.items():
         for name in ("sparse", "small"):
             assert ref[name + suffix][:2] == ("spmm", impl)
             assert ref[name + suffix][2:] == ref[name][2:]
-    assert set(calibration.CORE) < set(ref)
+    have_dgl = importlib.util.find_spec("dgl") is not None
     times = calibration.measure(repeat=1)
-    want = {n for n, (p, i, _, _) in ref.items() if i in kernels.implementations(p)}
-    assert set(times) == want and set(calibration.CORE) <= want
+    want = {n for n, (p, i, _, _) in ref.items()
+            if i in kernels.implementations(p) and (i != "dgl" or have_dgl)}
+    assert set(times) == want == set(calibration.measurable())
+    assert {"stream", "gemm", "sparse_torch_csr", "small_torch_csr"} <= want
+    assert ("sparse" in want) == have_dgl
     assert all(t > 0 for t in times.values())
 
 

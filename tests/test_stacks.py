@@ -6,6 +6,7 @@ graph that ``granii.graph.GraphInfo`` reads (counts, edges in edge-id order, in/
 On the current stack (no DGL) these tests are what checks the core; on the DGL stack they run too.
 """
 import importlib.util
+import json
 import math
 import subprocess
 import sys
@@ -68,18 +69,29 @@ def test_granii_imports_with_dgl_blocked():
         assert repr(prim) in out
 
 
-def test_calibration_without_dgl_prices_unscaled():
-    """Without DGL the reference calls (DGL's SpMM) cannot be timed: the calibration says so and
-    is empty, so transferred models price calls unscaled instead of failing."""
+def test_calibration_without_dgl_times_the_other_references_and_rescales():
+    """Without DGL its reference calls cannot be timed, the others can (on index graphs of the
+    same edges): the calibration holds the streaming, GEMM and sparse references of the
+    implementations this stack runs, and transferred models are rescaled by it."""
     out = run_without_dgl("""
-        import os, tempfile
+        import json, os, tempfile
         os.environ["GRANII_CACHE"] = tempfile.mkdtemp()
-        from granii import calibration
+        from granii import calibration, kernels, reference
         from granii.fingerprint import machine_fingerprint
         cal = calibration.this_machine(machine_fingerprint(), refresh=True)
-        print(cal["times"], cal["unavailable"])
+        t = calibration.Transfer({k: 2 * v for k, v in cal["times"].items()}, cal["times"])
+        print("RESULT " + json.dumps({
+            "times": sorted(cal["times"]), "native": "native" in kernels.implementations("spmm"),
+            "graph": type(reference.uniform(50, 100, 1)).__name__,
+            "scaled": [t.scale("spmm", 1.0, impl) for impl in ("dgl", "torch_csr")]}))
     """)
-    assert "{} dgl" in out
+    got = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
+    want = {"stream", "gemm", "sparse_torch_csr", "small_torch_csr"}
+    if got["native"]:
+        want |= {"sparse_native", "small_native"}
+    assert set(got["times"]) == want
+    assert got["graph"] == "IndexGraph"
+    assert got["scaled"] == [pytest.approx(0.5), pytest.approx(0.5)]
 
 
 # -- a graph of torch tensors ------------------------------------------------------------------
@@ -409,3 +421,25 @@ def test_fingerprint_records_the_stack():
     fp = machine_fingerprint()
     assert fp["torch"] == torch.__version__.split("+")[0]
     assert (fp["dgl"] == "missing") == (not HAVE_DGL)
+
+
+def test_granii_torch_csr_tensors_raise_no_warning_of_torch():
+    """A plan's torch CSR product builds its sparse tensor from granii's own (valid) index: a
+    user's process sees no warning of torch about it, on either stack (torch 2.11 on warns once
+    where the invariant check is left implicit). A fresh process: torch warns once per process."""
+    code = """
+        import warnings
+        warnings.resetwarnings()          # the default filters (this helper ignores warnings)
+        import torch
+        from granii.graph import graph_info
+        from granii.index_graph import IndexGraph
+        from granii.kernels import get
+        g = IndexGraph(torch.tensor([0, 1, 2]), torch.tensor([1, 2, 0]), 3)
+        x = torch.randn(3, 4)
+        with warnings.catch_warnings(record=True) as caught:    # the filters a user has
+            y = get("spmm", "torch_csr")(graph_info(g), x)
+        assert torch.allclose(y, x[[2, 0, 1]]), y
+        print("WARNINGS", [str(w.message)[:60] for w in caught])
+    """
+    out = run_without_dgl(code)
+    assert "WARNINGS []" in out, out

@@ -57,7 +57,14 @@ def _from_native(gi, native):
 
 def _csr(index, values):
     crow, col, _, size = index
-    return torch.sparse_csr_tensor(crow, col, values, size=size)
+    return csr_tensor(crow, col, values, size)
+
+
+def csr_tensor(crow, col, values, size):
+    """``torch.sparse_csr_tensor`` of an index granii built (a valid CSR), its invariants not
+    checked, and said so: torch (2.11 on) warns where that is left implicit."""
+    with torch.sparse.check_sparse_tensor_invariants(enable=False):
+        return torch.sparse_csr_tensor(crow, col, values, size=size)
 
 
 def unit_csr(gi, dtype=torch.float32):

@@ -38,7 +38,8 @@ GRAPH_PRIMS = ("spmm", "spmm_weighted", "spmm_mean", "spmm_norm", "sddmm_add", "
 
 def make_graph(n, degree, skewed, device, seed=0):
     """``GraphInfo`` of an index graph on ``device`` (module docstring)."""
-    from granii.pyg.graph import IndexGraph, graph_info
+    from granii.graph import graph_info
+    from granii.index_graph import IndexGraph
     gen = torch.Generator(device=device).manual_seed(seed)
     e = n * degree
     src = torch.randint(0, n, (e,), device=device, generator=gen)

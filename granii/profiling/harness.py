@@ -30,6 +30,7 @@ import torch
 from granii.featurize import FEATURE_NAMES, graph_features
 from granii.graph import GraphInfo, graph_info
 from granii.kernels import native, pool
+from granii.kernels.spmm import csr_tensor
 from granii.profiling import generators as gen
 from granii.profiling import points as pts
 from granii.profiling.timing import fix_threads, side_by_side, time_once
@@ -165,8 +166,8 @@ def _pool_product(g, x):
         x3 = x.reshape(x.shape[0], 1, -1)
         return lambda: torch.ops.granii.spmm_csr(idx.indptr, idx.indices, x3)
     indptr, indices, _ = graph_info(g).csr_in()
-    a = torch.sparse_csr_tensor(indptr, indices, torch.ones(indices.numel()),
-                                (g.num_dst_nodes(), g.num_src_nodes()))
+    a = csr_tensor(indptr, indices, torch.ones(indices.numel()),
+                   (g.num_dst_nodes(), g.num_src_nodes()))
     return lambda: torch.sparse.mm(a, x)
 
 

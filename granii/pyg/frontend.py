@@ -83,6 +83,7 @@ from torch import nn
 
 from .. import ir
 from ..kernels.dropout import is_dropout
+from ..kernels.spmm import csr_tensor
 from ..runtime.state import is_pyg_layer
 from . import kernels  # noqa: F401  (registers spmm_amax)
 from ..frontend import LayerIR, _check_complete
@@ -463,8 +464,8 @@ def _edge_activation(it, func, args, kwargs, node):
 def _graph_isinstance(g, cls):
     """``isinstance(edge_index, cls)`` for the kind of graph input this call has."""
     if g.kind == "adj_t":
-        rep = torch.sparse_csr_tensor(torch.zeros(1, dtype=torch.long),
-                                      torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        rep = csr_tensor(torch.zeros(1, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                         torch.zeros(0), (0, 0))
     else:
         rep = torch.zeros(2, 0, dtype=torch.long)
         if g.kind == "EdgeIndex":

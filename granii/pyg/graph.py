@@ -9,12 +9,10 @@ PyG passes the graph to a layer in one of three forms:
                  sources: ``adj_t[v, u] = w`` for an edge ``u -> v``; edge ``e`` is its ``e``-th
                  stored entry (the row-major order of CSR), its value ``adj_t.values()[e]``
 
-Each is the matrix ``A`` (N x N, ``A[v, u]`` for ``u -> v``) of granii's core. ``IndexGraph`` holds
-the source and target of every edge in PyG's edge order and answers the few questions
-``granii.graph.GraphInfo`` and the kernels ask a graph (sizes, ``adj_tensors``, degrees,
-``edges``), so the per-graph structures (CSR of ``A`` and ``A^T`` with the edge permutation,
-degrees, the once-per-graph cache) are the ones DGL graphs get, built from index tensors; no DGL
-object is involved. Edge-value tensors at the kernel interface are in PyG's edge order.
+Each is the matrix ``A`` (N x N, ``A[v, u]`` for ``u -> v``) of granii's core, held as the core's
+``IndexGraph`` (``granii.index_graph``): the source and target of every edge in PyG's edge order,
+from which the per-graph structures DGL graphs get are built; no DGL object is involved.
+Edge-value tensors at the kernel interface are in PyG's edge order.
 
 ``index_graph(graph_input, num_nodes)`` returns one ``IndexGraph`` per input tensor, reused while
 the tensor is the same object with the same storage and version counter (an in-place edit bumps
@@ -27,79 +25,11 @@ import weakref
 
 import torch
 
-from ..device import is_gpu, runs_on
 from ..graph import graph_info
+from ..index_graph import IndexGraph
 
 __all__ = ["IndexGraph", "index_graph", "derived", "graph_info", "input_kind",
            "known_index_graph"]
-
-
-class IndexGraph:
-    """The directed graph ``src[e] -> dst[e]`` on ``num_nodes`` nodes, edges in the given order.
-
-    ``_graph`` is the change token ``GraphInfo`` compares (DGL replaces it on a structural edit):
-    an ``IndexGraph`` never changes, so it is itself."""
-    is_block = False
-    srctypes = dsttypes = ("_N",)
-    canonical_etypes = (("_N", "_E", "_N"),)
-
-    def __init__(self, src, dst, num_nodes, kind="edge_index", values=None):
-        self.src = src.long().contiguous()
-        self.dst = dst.long().contiguous()
-        self.n = int(num_nodes)
-        self.kind = kind                  # which PyG input it was made from
-        self.values = values              # adj_t's stored values (edge order), else None
-        self.derived = {}                 # transform -> IndexGraph (self loops added)
-        self._graph = self
-
-    @property
-    def device(self):
-        return self.src.device
-
-    def num_src_nodes(self):
-        return self.n
-
-    num_dst_nodes = num_nodes = number_of_nodes = num_src_nodes
-
-    def num_edges(self):
-        return self.src.numel()
-
-    number_of_edges = num_edges
-
-    @property
-    def edge_index(self):
-        """``[src; dst]`` as PyG writes it (a new [2, E] tensor)."""
-        return torch.stack([self.src, self.dst])
-
-    def adj_tensors(self, fmt):
-        """``(indptr, indices, eids)`` as DGL's ``adj_tensors``: ``"csc"`` has one row per
-        target (``A``), ``"csr"`` one per source (``A^T``); entries of a row in edge order."""
-        if fmt not in ("csc", "csr"):
-            raise ValueError(f"granii: adj_tensors('{fmt}') of an index graph")
-        rows, cols = (self.dst, self.src) if fmt == "csc" else (self.src, self.dst)
-        eids = torch.sort(rows, stable=True).indices
-        counts = torch.bincount(rows, minlength=self.n)
-        indptr = torch.zeros(self.n + 1, dtype=torch.long, device=rows.device)
-        torch.cumsum(counts, 0, out=indptr[1:])
-        return indptr, cols[eids], eids
-
-    def runs(self, impl):
-        """Whether kernel implementation ``impl`` runs on this index graph: DGL's kernels need a
-        DGL graph; a graph on the GPU runs the GPU's kernels (``granii.device``)."""
-        return impl != "dgl" and runs_on(impl, is_gpu(self.device))
-
-    def in_degrees(self):
-        """Edges into each node (``A 1``), parallel edges counted."""
-        return torch.bincount(self.dst, minlength=self.n)
-
-    def out_degrees(self):
-        return torch.bincount(self.src, minlength=self.n)
-
-    def edges(self, order="eid"):
-        return self.src, self.dst
-
-    def __repr__(self):
-        return f"IndexGraph(num_nodes={self.n}, num_edges={self.num_edges()}, from={self.kind})"
 
 
 def input_kind(graph_input):

@@ -16,15 +16,18 @@ weights run ``--calls`` calls on new random features each call (64 -> 64):
     granii  ``granii(layer, x_0, edge_index)`` (lowering, enumeration, the decision, and the run
             it makes) then the calls: its first call is included in the total
 
-Reported: total seconds of each (granii's ``granii(...)`` included; the first configuration's
-also loads the cost models, once per process), their ratio, the median
+Each configuration runs in a fresh process (``--one``): PyG's eager times depend on what the
+process ran before. Reported: total seconds of each (granii's ``granii(...)`` included, which
+loads the cost models in each process), their ratio, the median
 of the last half of the calls (steady state), what granii ran, and the largest difference of
 the outputs from PyG's (each call is checked). Writes ``results/pyg/pyg.csv`` and ``pyg.md``.
 Run under ``flock -x /tmp/granii-cpu.lock`` with 2 threads.
 """
 import argparse
 import copy
+import json
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -36,7 +39,8 @@ import torch
 from bench.csvfile import write_csv
 from granii import datasets
 
-OUT = Path(__file__).resolve().parent.parent / "results" / "pyg"
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "results" / "pyg"
 K = 64
 
 
@@ -146,6 +150,8 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="cora only, 6 calls")
     ap.add_argument("--layers", help="comma-separated layer names (default: layers())")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--one", nargs=3, metavar=("GRAPH", "LAYER", "MODE"),
+                    help=argparse.SUPPRESS)      # one configuration, in this process
     args = ap.parse_args(argv)
     known = {**layers(), **more_layers()}
     names = args.layers.split(",") if args.layers else list(layers())
@@ -157,15 +163,20 @@ def main(argv=None):
     warnings.simplefilter("ignore")
     graphs = ["cora"] if args.quick else args.graphs.split(",")
     calls = 6 if args.quick else args.calls
+    if args.one:
+        gname, lname, mode = args.one
+        ei, n = edge_index_of(gname)
+        r = run_one(known[lname], ei, n, mode == "training", calls,
+                    edge_width=EDGE_FEATS.get(lname))
+        print("RESULT " + json.dumps({"N": n, "E": ei.shape[1], **r}), flush=True)
+        return [r]
     rows = []
     for gname in graphs:
-        ei, n = edge_index_of(gname)
         for lname in names:
-            for training in (False, True):
-                r = run_one(known[lname], ei, n, training, calls,
-                            edge_width=EDGE_FEATS.get(lname))
-                row = {"graph": gname, "N": n, "E": ei.shape[1], "layer": lname,
-                       "mode": "training" if training else "inference", "calls": calls, **r}
+            for mode in ("inference", "training"):
+                r = _in_own_process(gname, lname, mode, calls)
+                row = {"graph": gname, "N": r.pop("N"), "E": r.pop("E"), "layer": lname,
+                       "mode": mode, "calls": calls, **r}
                 rows.append(row)
                 print(f"{gname:14s} {lname:14s} {row['mode']:9s} total x{r['speedup_total']:5.2f}"
                       f"  steady x{r['speedup_steady']:5.2f}  ({r['ran']}, diff "
@@ -174,6 +185,19 @@ def main(argv=None):
     write_csv(out / "pyg.csv", rows)
     write_markdown(out / "pyg.md", rows, " ".join(["python -m bench.pyg"] + (argv or sys.argv[1:])))
     return rows
+
+
+def _in_own_process(gname, lname, mode, calls):
+    """``run_one`` of one configuration in a process of its own: PyG's eager times depend on
+    what the process ran before (after 20 configurations on smaller graphs, GCNConv's calls on
+    GitHub took 42 ms where a fresh process takes 140-150), so no configuration inherits
+    another's allocator state, nor granii's process-wide caches."""
+    cmd = [sys.executable, "-m", "bench.pyg", "--one", gname, lname, mode, "--calls", str(calls)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"{gname} {lname} {mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
 
 
 def markdown_from_csv(csv_path, md_path, command):
@@ -190,8 +214,9 @@ def write_markdown(path, rows, command):
              f"`{command}`, 2 threads, new random features each call. *total*: PyG's calls "
              "against `granii(layer, x, edge_index)` plus the same calls (its first included); "
              "*steady*: medians of the last half of the calls. Each output checked against "
-             "PyG's (*diff*). The first row's setup includes loading this machine's cost models "
-             "(once per process).", "",
+             "PyG's (*diff*). Each configuration runs in a process of its own, PyG's calls "
+             "first: granii's setup includes loading this machine's cost models and its first "
+             "call's other once-per-process costs.", "",
              "| graph | layer | mode | PyG total s | granii total s (setup) | total x | "
              "PyG ms/call | granii ms/call | steady x | ran | diff |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

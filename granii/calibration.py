@@ -17,11 +17,12 @@ the reference graphs are index graphs of the same edges.
 Sparse kernels of different libraries do not keep their speed ratio from one processor to
 another: measured on an Intel AVX-512 machine against the AMD EPYC the shipped models were
 trained on, DGL's SpMM on the sparse reference took 2.0x, granii's native one 3.0x and torch's
-CSR product 1.4x the models' predictions (small reference: 1.7x, 1.2x, 0.7x). One ratio for every sparse kernel, DGL's, then priced the native kernels a
-third too low, and on graphs the project never saw the tie-break timed only native plans where
-DGL's SpMM was the fastest. So a sparse primitive is scaled by the references of its own
-implementation where both machines have them, by DGL's otherwise, and where DGL's were not timed
-by the native kernels', then torch's CSR product's (``Transfer.sparse_references``).
+CSR product 1.4x the models' predictions (small reference: 1.7x, 1.2x, 0.7x). One ratio for
+every sparse kernel, DGL's, then priced the native kernels a third too low, and on graphs the
+project never saw the tie-break timed only native plans where DGL's SpMM was the fastest. So a
+sparse primitive is scaled by the references of its own implementation where both machines have
+them, by DGL's otherwise, and where DGL's were not timed by the native kernels', then torch's
+CSR product's (``Transfer.sparse_references``).
 
 Transfer. A model trained on machine ``M`` predicts ``t_M(call)``; on this machine ``H`` the call
 is priced as

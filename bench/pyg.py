@@ -189,7 +189,7 @@ def main(argv=None):
 
 def _in_own_process(gname, lname, mode, calls):
     """``run_one`` of one configuration in a process of its own: PyG's eager times depend on
-    what the process ran before (after 20 configurations on smaller graphs, GCNConv's calls on
+    what the process ran before (after the Cora and PubMed configurations, GCNConv's calls on
     GitHub took 42 ms where a fresh process takes 140-150), so no configuration inherits
     another's allocator state, nor granii's process-wide caches."""
     cmd = [sys.executable, "-m", "bench.pyg", "--one", gname, lname, mode, "--calls", str(calls)]

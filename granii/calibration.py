@@ -81,7 +81,9 @@ IMPL_REFERENCE = {"native": "_native", "torch_csr": "_torch_csr"}
 for _impl, _suffix in IMPL_REFERENCE.items():
     REFERENCE["sparse" + _suffix] = ("spmm", _impl) + REFERENCE["sparse"][2:]
     REFERENCE["small" + _suffix] = ("spmm", _impl) + REFERENCE["small"][2:]
-_SMALL = ("small",) + tuple("small" + s for s in IMPL_REFERENCE.values())
+# the suffixes of the sparse references in the order they stand in for each other: DGL's, then
+# each other implementation's
+SPARSE_SUFFIXES = ("",) + tuple(IMPL_REFERENCE.values())
 CLASS = {"gemm": "gemm", "head_gemm": "gemm", "row_scale": "stream", "add": "stream",
          "cat": "stream", "row_slice": "stream", "diag_mul": "stream"}
 FORMAT = 4              # 2: each sparse implementation's references; 3: timed in the pool;
@@ -240,14 +242,14 @@ def _complete(times):
     both sparse calls of one implementation."""
     return {"stream", "gemm"} <= set(times) and any(
         "sparse" + s in times and "small" + s in times
-        for s in ("",) + tuple(IMPL_REFERENCE.values()))
+        for s in SPARSE_SUFFIXES)
 
 
 def contended(times):
     """Whether reference ``times`` were measured while other processes held the cores (the
     small call's time says so, DGL's or else the first other one timed; a short call can also
     fall between two other processes' turns, so ``this_machine`` asks ``/proc/stat`` too)."""
-    small = next((times[n] for n in _SMALL if n in times), 0.0)
+    small = next((times["small" + s] for s in SPARSE_SUFFIXES if "small" + s in times), 0.0)
     return small > CONTENDED
 
 
@@ -344,10 +346,9 @@ class Transfer:
         """``(large, small)`` reference names that scale a sparse primitive run by ``impl``: its
         own implementation's where both machines timed both, else DGL's, else the native
         kernels', else torch's CSR product's; DGL's names where none has both."""
-        order = [IMPL_REFERENCE.get(impl), ""] + list(IMPL_REFERENCE.values())
-        for suffix in order:
-            if suffix is not None and self.ratio("sparse" + suffix) and \
-                    self.ratio("small" + suffix):
+        own = IMPL_REFERENCE.get(impl)
+        for suffix in ((own,) if own else ()) + SPARSE_SUFFIXES:
+            if self.ratio("sparse" + suffix) and self.ratio("small" + suffix):
                 return "sparse" + suffix, "small" + suffix
         return "sparse", "small"
 
@@ -382,8 +383,8 @@ def analytical_rates(times):
     times = dict(times)
     for name in ("sparse", "small"):
         if not times.get(name):
-            times[name] = next((times[name + s] for s in IMPL_REFERENCE.values()
-                                if times.get(name + s)), None)
+            times[name] = next((times[name + s] for s in SPARSE_SUFFIXES if times.get(name + s)),
+                               None)
     out = {}
     if times.get("gemm"):
         s = REFERENCE["gemm"][3]

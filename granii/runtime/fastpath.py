@@ -197,7 +197,7 @@ def _fast_hit(state, options, layer, guard, args, kwargs, graph_key=None):
     entry = table.get(guard) if table else None
     if entry is None:
         return None
-    gi = entry.gi or gi
+    gi = entry.gi if entry.gi is not None else gi
     training = guard[_GRAD] and _any_requires_grad(layer)
     feat = args[entry.feat] if type(entry.feat) is int else entry.feat(args, kwargs)
     ident = input_identity(feat) if options.reuse_inputs else None

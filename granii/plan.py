@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import diskcache, ir, kernels
+from .device import is_gpu
 from .enumerate import Node, steps as tree_steps, tree_calls  # noqa: F401 (re-exported)
 from .prune import signature
 
@@ -375,11 +376,13 @@ def unit_scalars(plan, module):
 
 def is_one(s):
     """``s`` (a one-element tensor) is exactly 1 and needs no gradient: scaling by it is a no-op.
-    For a scalar ``scalar`` kept (a buffer's), the answer kept with it."""
+    For a scalar ``scalar`` kept (a buffer's), the answer kept with it. On the GPU path a scalar
+    not kept (a learned ``eps`` under ``no_grad``) counts as not one: reading its value would
+    wait for every queued kernel, to save one small one."""
     hit = _ONES.get(id(s))
     if hit is not None and hit[0]() is s:
         return hit[1]
-    return not s.requires_grad and bool(s == 1)
+    return not s.requires_grad and not is_gpu(s.device) and bool(s == 1)
 
 
 def _expr(step, impl, ref=None):

@@ -231,6 +231,89 @@ def check_graph_inputs(dev):
     return ran
 
 
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Records the operations that read a device tensor's values on the host, called from
+    granii's code: on a GPU each waits for every queued kernel (a synchronization), so the host
+    cannot run ahead and a call costs its launches plus its kernels instead of the larger of the
+    two. ``seen``: ``"operation @ file:line"`` -> count."""
+    READS = {"item", "__bool__", "__int__", "__float__", "__index__", "tolist", "cpu", "numpy",
+             "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount",
+             "equal", "allclose"}
+    GRANII = os.sep + "granii" + os.sep
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def _reads(self, name, args, kwargs):
+        if name in self.READS or name == "where" and len(args) == 1:
+            return True
+        if name == "repeat_interleave":                 # its output's size, without output_size
+            return "output_size" not in kwargs
+        if name in ("__getitem__", "__setitem__", "index_put", "index_put_") and len(args) > 1:
+            index = args[1] if isinstance(args[1], (tuple, list)) else (args[1],)
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+        return False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if self._reads(name, args, kwargs):
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if self.GRANII in f.filename or "torch_geometric" in f.filename]
+            if frames and self.GRANII in frames[-1].filename:   # not PyG's own forward's
+                at = f"{name} @ {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}"
+                self.seen[at] = self.seen.get(at, 0) + 1
+        return func(*args, **kwargs)
+
+
+def check_settled_calls_read_nothing(dev):
+    """Settled calls of granii's plans read no device value on the host, in training and in
+    evaluation: GCN with edge weights (PyG's self loops take the weights of the loops there),
+    SAGE, GAT on a graph whose hub's row is split into pieces, GIN, GINE with edge features and
+    GATv2 with edge features (its self loops take the mean of their in-edges' features).
+    The decisions are the ranking's (``tune=False``), so plans run, not PyG's forward."""
+    from torch_geometric import nn
+
+    from granii import granii
+    from granii.kernels.triton.gat_kernels import SEG
+    from granii.runtime.dispatch import layer_states
+    edge_index, w, n = graph(dev)
+    hub = torch.arange(SEG + 40, device=dev) % n                 # node 0's row: two pieces
+    loops = torch.arange(3, device=dev)
+    edge_index = torch.cat([edge_index, torch.stack([hub, torch.zeros_like(hub)]),
+                            torch.stack([loops, loops])], 1)
+    e = edge_index.shape[1]
+    w = torch.rand(e, device=dev) + 0.5
+    attr = torch.randn(e, 12, device=dev)
+    specs = {"GCNConv": (lambda: nn.GCNConv(12, 6), (w,)),
+             "SAGEConv": (lambda: nn.SAGEConv(12, 6), ()),
+             "GATConv": (lambda: nn.GATConv(12, 3, heads=2), ()),
+             "GINConv": (lambda: nn.GINConv(torch.nn.Linear(12, 6), train_eps=True), ()),
+             "GINEConv": (lambda: nn.GINEConv(torch.nn.Linear(12, 12)), (attr,)),
+             "GATv2Conv-edges": (lambda: nn.GATv2Conv(12, 3, heads=2, edge_dim=12), (attr,))}
+    found = {}
+    for name, (make, extra) in specs.items():
+        torch.manual_seed(4)
+        conv = make().to(dev)
+        x = torch.randn(n, 12, device=dev, requires_grad=True)
+        for training in (True, False):
+            conv.train(training)
+            granii(conv, x, edge_index, tune=False, extra_args=extra)
+            with torch.set_grad_enabled(training):
+                for call in range(3):
+                    reads = HostReads()
+                    with reads:
+                        out = conv(x, edge_index, *extra)
+                        if training:
+                            out.square().sum().backward()
+                    st = layer_states(conv)[0]
+                    assert st.ran.kind == "plan", f"{name}: {st.ran}"
+                    if call and reads.seen:
+                        found[f"{name} {'training' if training else 'evaluation'}"] = reads.seen
+    assert not found, f"device values read on the host: {found}"
+
+
 CHECKS = {f"model_{name}": (lambda dev, name=name: check_model(name, dev))
           for name in ("gcn", "gcn_weighted", "sage", "gat", "gin")}
 CHECKS.update({f"layer_{name}": (lambda dev, name=name: check_layer(name, dev))
@@ -238,6 +321,7 @@ CHECKS.update({f"layer_{name}": (lambda dev, name=name: check_layer(name, dev))
 CHECKS["every_choice"] = check_every_choice
 CHECKS["graph_inputs"] = check_graph_inputs
 CHECKS["explain_and_fallback"] = check_explain_and_fallback
+CHECKS["settled_calls_read_nothing"] = check_settled_calls_read_nothing
 
 
 def _host_copies_only():

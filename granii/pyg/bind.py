@@ -19,7 +19,7 @@ gradient) and kept in its ``GraphInfo`` cache.
 """
 import torch
 
-from .graph import derived, graph_info, loops_added
+from .graph import derived, graph_info, loop_positions
 from .values import EdgeAttr, EdgeVal
 
 
@@ -30,13 +30,12 @@ def _weight(w_spec, base, values):
     w = w.reshape(-1)
     if w_spec.how is None:
         return w
-    _, kept = loops_added(base, w_spec.how)
     fill = torch.full((base.n,), w_spec.fill, dtype=w.dtype, device=w.device)
     if w_spec.how == "add":
         return torch.cat([w, fill])
-    loops = ~kept
-    fill = fill.index_put((base.src[loops],), w[loops])
-    return torch.cat([w[kept], fill])
+    kept, loops = loop_positions(base, w_spec.how)
+    fill = fill.index_put((base.src.index_select(0, loops),), w.index_select(0, loops))
+    return torch.cat([w.index_select(0, kept), fill])
 
 
 def _reads_argument(ev):
@@ -61,18 +60,19 @@ def _degree(vec, base, values, dtype):
 def edge_features(spec, base, values):
     """The edge features of ``spec`` (an ``EdgeAttr``) per edge of its graph (see above)."""
     attr = values[spec.arg]
-    kept = base.src != base.dst
-    rows = attr[kept]
+    kept, _ = loop_positions(base, "remaining")
+    rows = attr.index_select(0, kept)
     if spec.how == "removed":
         return rows
     if isinstance(spec.fill, float):
         fill = attr.new_full((base.n, attr.shape[1]), spec.fill)
     else:
-        dst = base.dst[kept]
+        dst = base.dst.index_select(0, kept)
         fill = attr.new_zeros((base.n, attr.shape[1])).index_add(0, dst, rows)
         if spec.fill == "mean":
-            count = torch.bincount(dst, minlength=base.n).clamp(min=1)
-            fill = fill / count.to(fill.dtype).unsqueeze(1)
+            count = graph_info(base).memo(("kept_in_degrees",),
+                                          lambda: torch.bincount(dst, minlength=base.n))
+            fill = fill / count.clamp(min=1).to(fill.dtype).unsqueeze(1)
     return torch.cat([rows, fill])
 
 

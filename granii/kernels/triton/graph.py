@@ -118,8 +118,9 @@ class Csr:
         return self._segments[seg]
 
     def pieces(self, seg):
-        """``(slot, split_ptr, most)`` of the split rows' pieces for items of ``seg`` edges
-        (``_pieces``), ``most`` the largest number of pieces of one row; once per ``seg``."""
+        """``(slot, split_ptr, most, slots)`` of the split rows' pieces for items of ``seg`` edges
+        (``_pieces``), ``most`` the largest number of pieces of one row and ``slots`` their
+        number (Python ints: a call reads no device value); once per ``seg``."""
         if seg not in self._pieces:
             whole, split = self.segments(seg)[3:5]
             deg = (self.indptr[1:] - self.indptr[:-1]).long()[split.long()]
@@ -127,7 +128,7 @@ class Csr:
             slot, split_ptr = _pieces(whole, counts)
             most = int(counts.max()) if counts.numel() else 0
             cast = self.indptr.dtype
-            self._pieces[seg] = (slot.to(cast), split_ptr.to(cast), most)
+            self._pieces[seg] = (slot.to(cast), split_ptr.to(cast), most, int(split_ptr[-1]))
         return self._pieces[seg]
 
     def bound(self, block):

@@ -756,15 +756,19 @@ def trace_steps(run, src, dst, n, steps=5):
             launches = sum(e.count for e in events
                            if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                         "cuLaunchKernelEx")) / steps
+            # the host waiting for the device: explicit waits and copies to the host
+            waits = sum(e.count for e in events
+                        if "Synchronize" in e.key or "DtoH" in e.key) / steps
             lines += [f"## {kind} {variant}: {wall:.2f} ms a step (profiled), kernels "
-                      f"{device_ms:.2f} ms, {launches:.0f} launches a step", "", "```",
+                      f"{device_ms:.2f} ms, {launches:.0f} launches and {waits:.0f} waits for "
+                      "the device a step", "", "```",
                       events.table(sort_by="self_device_time_total" if dev.type == "cuda"
                                    else "self_cpu_time_total", row_limit=12,
                                    max_name_column_width=60),
                       events.table(sort_by="self_cpu_time_total", row_limit=12,
                                    max_name_column_width=60), "```", ""]
             run.say(f"  trace {kind} {variant}: {wall:.2f} ms a step, kernels {device_ms:.2f} "
-                    f"ms, {launches:.0f} launches")
+                    f"ms, {launches:.0f} launches, {waits:.0f} waits")
             del fn, model, opt
     run.out.mkdir(parents=True, exist_ok=True)
     (run.out / "trace.md").write_text("\n".join(lines))

@@ -5,6 +5,7 @@ make the decision (``decide``; a measured ``tiebreak`` among close candidates), 
 import contextlib
 import copy
 import dataclasses
+import functools
 import time
 import warnings
 
@@ -39,7 +40,9 @@ class Dispatcher:
         self.state = new_state(layer, name)
 
     def __call__(self, *args, **kwargs):
-        return pool.run(args, dispatch, self.state, self.options, self.layer, args, kwargs)
+        if _is_compiling():
+            return _outside_the_compiler(_call)(self, args, kwargs)
+        return _call(self, args, kwargs)
 
     def __deepcopy__(self, memo):
         return Dispatcher(copy.deepcopy(self.layer, memo), self.state.name, self.options)
@@ -58,6 +61,22 @@ class Dispatcher:
 
     def __repr__(self):
         return f"<granii dispatcher of {self.state.name if self.state else self._name}>"
+
+
+def _call(dispatcher, args, kwargs):
+    return pool.run(args, dispatch, dispatcher.state, dispatcher.options, dispatcher.layer, args,
+                    kwargs)
+
+
+# torch.compile of a model holding optimized layers: the compiler leaves the layers' calls out
+# of its graphs and runs them as they run without it (granii's checks, caches and kernels are
+# not code it can trace); what lies between them is compiled
+_is_compiling = getattr(torch.compiler, "is_compiling", None) or torch._utils.is_compiling
+
+
+@functools.lru_cache(maxsize=None)
+def _outside_the_compiler(fn):
+    return torch.compiler.disable(fn)
 
 
 def _load_frontend(layer):

@@ -24,9 +24,9 @@ is the process's own):
              optimized layers' calls out of its graphs and compiles what lies between them
              (not in the default set: a configuration some users run, reported apart)
     granii_torch_dropout
-             the same as ``granii`` with ``GRANII_FAST_DROPOUT=0``: the model's dropout draws with torch's own
-             kernel (an ablation, training only: granii's faster draw of the same masks is not
-             plan choice; inference has no dropout)
+             the same as ``granii`` with ``GRANII_FAST_DROPOUT=0``: the model's dropout draws
+             with torch's own kernel (an ablation, training only: granii's faster draw of the
+             same masks is not plan choice; inference has no dropout)
 
 Modes: ``inference`` (``eval()``, ``no_grad``, new random features each call) and
 ``training`` (``train()``, forward, cross entropy on random labels, backward, Adam step).

@@ -33,7 +33,7 @@ def _weight(w_spec, base, values):
     fill = torch.full((base.n,), w_spec.fill, dtype=w.dtype, device=w.device)
     if w_spec.how == "add":
         return torch.cat([w, fill])
-    kept, loops = loop_positions(base, w_spec.how)
+    kept, loops = loop_positions(base)
     fill = fill.index_put((base.src.index_select(0, loops),), w.index_select(0, loops))
     return torch.cat([w.index_select(0, kept), fill])
 
@@ -60,7 +60,7 @@ def _degree(vec, base, values, dtype):
 def edge_features(spec, base, values):
     """The edge features of ``spec`` (an ``EdgeAttr``) per edge of its graph (see above)."""
     attr = values[spec.arg]
-    kept, _ = loop_positions(base, "remaining")
+    kept, _ = loop_positions(base)
     rows = attr.index_select(0, kept)
     if spec.how == "removed":
         return rows

@@ -126,17 +126,15 @@ def loops_added(g, how):
     return torch.stack([torch.cat([g.src[kept], loop]), torch.cat([g.dst[kept], loop])]), kept
 
 
-def loop_positions(g, how):
-    """``(kept, loops)``: the positions of ``g``'s edges that ``loops_added(g, how)`` keeps
-    (``None`` for ``"add"``: every edge) and of its existing self loops (``"remaining"``: the
-    edges whose values PyG moves to its loops), as index tensors made once per graph: a call
-    gathers by them and reads no device value (a boolean mask would on a GPU)."""
+def loop_positions(g):
+    """``(kept, loops)``: the positions of ``g``'s edges that are not self loops (those
+    ``loops_added(g, "remaining")`` and ``remove_self_loops`` keep) and of those that are (whose
+    values PyG moves to its new loops), as index tensors made once per graph: a call gathers by
+    them and reads no device value, as a boolean mask would on a GPU."""
     def compute():
-        if how == "add":
-            return None, g.src.new_empty(0)
         loop = g.src == g.dst
         return torch.nonzero(~loop).flatten(), torch.nonzero(loop).flatten()
-    return graph_info(g).memo(("loop_positions", how), compute)
+    return graph_info(g).memo(("loop_positions",), compute)
 
 
 def derived(g, how):

@@ -1,7 +1,8 @@
 """``torch.compile`` of a model whose layers granii optimized: the compiler leaves the layers'
 calls out of its graphs (``runtime.dispatch``), so they run granii's plans as they do without
 it, and the code between them is compiled. Outputs and gradients are the framework's at every
-training step and in evaluation, and each layer ran a plan.
+training step and in evaluation, and each layer ran a plan; also with granii called on the
+compiled module.
 
 The ``aot_eager`` backend traces as the default one does (dynamo, then autograd ahead of time)
 without generating C++, so the test needs no compiler. Before the change, tracing into granii's
@@ -58,6 +59,31 @@ def test_compiled_pyg_model_runs_granii_plans():
     ours = copy.deepcopy(ref)
     granii(ours, x, edge_index)
     compiled = torch.compile(ours, backend="aot_eager")
+    _steps(ours, ref, lambda: compiled(x, edge_index), lambda: ref(x, edge_index),
+           ours.parameters)
+    _ran_plans(ours)
+
+
+def test_granii_on_an_already_compiled_pyg_model():
+    """The other order: ``granii(torch.compile(model), ...)`` optimizes the compiled module's
+    layers (those of the model it wraps) and returns it."""
+    from torch_geometric.nn import GCNConv
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = GCNConv(16, 8), GCNConv(8, 4)
+
+        def forward(self, x, edge_index):
+            return self.c2(torch.relu(self.c1(x, edge_index)), edge_index)
+
+    torch.manual_seed(1)
+    edge_index = torch.randint(0, 120, (2, 900))
+    x = torch.randn(120, 16)
+    ref = Net()
+    ours = copy.deepcopy(ref)
+    compiled = torch.compile(ours, backend="aot_eager")
+    assert granii(compiled, x, edge_index) is compiled
     _steps(ours, ref, lambda: compiled(x, edge_index), lambda: ref(x, edge_index),
            ours.parameters)
     _ran_plans(ours)

@@ -41,49 +41,34 @@ def _ran_plans(model):
     assert ran and all(r.kind == "plan" for r in ran.values()), ran
 
 
-def test_compiled_pyg_model_runs_granii_plans():
-    from torch_geometric.nn import GCNConv, SAGEConv
+class PygNet(torch.nn.Module):
+    """GCN, ReLU, then ``second`` (a PyG layer from 8 to 4 features)."""
 
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c1, self.c2 = GCNConv(16, 8), SAGEConv(8, 4)
+    def __init__(self, second):
+        super().__init__()
+        from torch_geometric.nn import GCNConv
+        self.c1, self.c2 = GCNConv(16, 8), second
 
-        def forward(self, x, edge_index):
-            return self.c2(torch.relu(self.c1(x, edge_index)), edge_index)
+    def forward(self, x, edge_index):
+        return self.c2(torch.relu(self.c1(x, edge_index)), edge_index)
 
+
+@pytest.mark.parametrize("order", ["granii, then compile", "compile, then granii"])
+def test_compiled_pyg_model_runs_granii_plans(order):
+    """In the second order ``granii(torch.compile(model), ...)`` optimizes the layers of the model
+    the compiled module wraps, and returns the compiled module."""
+    from torch_geometric.nn import SAGEConv
     torch.manual_seed(0)
     edge_index = torch.randint(0, 120, (2, 900))
     x = torch.randn(120, 16)
-    ref = Net()
+    ref = PygNet(SAGEConv(8, 4))
     ours = copy.deepcopy(ref)
-    granii(ours, x, edge_index)
-    compiled = torch.compile(ours, backend="aot_eager")
-    _steps(ours, ref, lambda: compiled(x, edge_index), lambda: ref(x, edge_index),
-           ours.parameters)
-    _ran_plans(ours)
-
-
-def test_granii_on_an_already_compiled_pyg_model():
-    """The other order: ``granii(torch.compile(model), ...)`` optimizes the compiled module's
-    layers (those of the model it wraps) and returns it."""
-    from torch_geometric.nn import GCNConv
-
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c1, self.c2 = GCNConv(16, 8), GCNConv(8, 4)
-
-        def forward(self, x, edge_index):
-            return self.c2(torch.relu(self.c1(x, edge_index)), edge_index)
-
-    torch.manual_seed(1)
-    edge_index = torch.randint(0, 120, (2, 900))
-    x = torch.randn(120, 16)
-    ref = Net()
-    ours = copy.deepcopy(ref)
-    compiled = torch.compile(ours, backend="aot_eager")
-    assert granii(compiled, x, edge_index) is compiled
+    if order == "granii, then compile":
+        granii(ours, x, edge_index)
+        compiled = torch.compile(ours, backend="aot_eager")
+    else:
+        compiled = torch.compile(ours, backend="aot_eager")
+        assert granii(compiled, x, edge_index) is compiled
     _steps(ours, ref, lambda: compiled(x, edge_index), lambda: ref(x, edge_index),
            ours.parameters)
     _ran_plans(ours)

@@ -116,21 +116,12 @@ def known_index_graph(graph_input, num_nodes):
         return None
 
 
-def loops_added(g, how):
-    """``(edge index [2, E'], kept)``: ``g`` with a self loop on every node appended after its
-    edges, as PyG's ``add_self_loops`` (``how="add"``: every edge kept) or
-    ``add_remaining_self_loops`` (``"remaining"``: existing loops dropped, the others kept in
-    order); ``kept`` is the mask of ``g``'s edges kept."""
-    kept = torch.ones_like(g.src, dtype=torch.bool) if how == "add" else g.src != g.dst
-    loop = torch.arange(g.n, device=g.src.device)
-    return torch.stack([torch.cat([g.src[kept], loop]), torch.cat([g.dst[kept], loop])]), kept
-
-
 def loop_positions(g):
-    """``(kept, loops)``: the positions of ``g``'s edges that are not self loops (those
-    ``loops_added(g, "remaining")`` and ``remove_self_loops`` keep) and of those that are (whose
-    values PyG moves to its new loops), as index tensors made once per graph: a call gathers by
-    them and reads no device value, as a boolean mask would on a GPU."""
+    """``(kept, loops)``: the positions of ``g``'s edges that are not self loops (those PyG's
+    ``add_remaining_self_loops`` and ``remove_self_loops`` keep, in order) and of those that are
+    (whose values ``add_remaining_self_loops`` moves to its new loops), as index tensors made once
+    per graph: a call gathers by them and reads no device value, as a boolean mask would on a
+    GPU."""
     def compute():
         loop = g.src == g.dst
         return torch.nonzero(~loop).flatten(), torch.nonzero(loop).flatten()
@@ -138,18 +129,20 @@ def loop_positions(g):
 
 
 def derived(g, how):
-    """The ``IndexGraph`` of ``g`` with self loops added (``how`` as in ``loops_added``), or
-    removed (``"removed"``: PyG's ``remove_self_loops``, the other edges in order), made once per
-    graph and kept with it."""
+    """The ``IndexGraph`` of ``g`` with its self loops changed as PyG changes them, made once per
+    graph and kept with it: ``"add"`` (``add_self_loops``: a loop on every node appended after
+    every edge), ``"remaining"`` (``add_remaining_self_loops``: the existing loops dropped, then a
+    loop on every node) or ``"removed"`` (``remove_self_loops``); the other edges in order."""
     if how is None:
         return g
     d = g.derived.get(how)
     if d is None:
-        if how == "removed":
-            kept = g.src != g.dst
-            d = IndexGraph(g.src[kept], g.dst[kept], g.n, g.kind)
-        else:
-            ei, _ = loops_added(g, how)
-            d = IndexGraph(ei[0], ei[1], g.n, g.kind)
-        g.derived[how] = d
+        src, dst = g.src, g.dst
+        if how != "add":
+            kept, _ = loop_positions(g)
+            src, dst = src.index_select(0, kept), dst.index_select(0, kept)
+        if how != "removed":
+            loop = torch.arange(g.n, device=g.src.device)
+            src, dst = torch.cat([src, loop]), torch.cat([dst, loop])
+        d = g.derived[how] = IndexGraph(src, dst, g.n, g.kind)
     return d
